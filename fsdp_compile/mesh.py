@@ -1,0 +1,102 @@
+"""Which ranks shard and which replicate: the data-parallel view of a ``DeviceMesh``."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Placement, Replicate, Shard
+
+__all__ = ["MeshInfo", "PostForwardMeshInfo", "default_mesh", "mesh_info_for", "post_forward_mesh_info_for", "mesh_device"]
+
+
+@dataclass(frozen=True)
+class MeshInfo:
+    """A 1-D mesh shards over all its ranks; a 2-D mesh is (replicate, shard): HSDP."""
+
+    mesh: DeviceMesh
+    shard_group: dist.ProcessGroup
+    shard_size: int
+    shard_rank: int
+    replicate_group: dist.ProcessGroup | None
+    replicate_size: int
+
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        return (Shard(0),) if self.replicate_group is None else (Replicate(), Shard(0))
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.shard_size * self.replicate_size
+
+
+@dataclass(frozen=True)
+class PostForwardMeshInfo:
+    """The smaller group that ``reshard_after_forward=<int>`` keeps parameters sharded over."""
+
+    shard_group: dist.ProcessGroup
+    shard_size: int
+    shard_rank: int
+
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+_default_meshes: dict[str, DeviceMesh] = {}
+
+
+def default_mesh() -> DeviceMesh:
+    """All ranks of the default process group, on CUDA when its backend is NCCL, else CPU."""
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "fully_shard needs torch.distributed: call torch.distributed.init_process_group('gloo') "
+            "(CPU) or ('nccl') (CUDA) first, or pass mesh=init_device_mesh(...)"
+        )
+    backend = str(dist.get_backend())
+    device_type = "cuda" if "nccl" in backend and torch.cuda.is_available() else "cpu"
+    if device_type not in _default_meshes:
+        _default_meshes[device_type] = init_device_mesh(device_type, (dist.get_world_size(),))
+    return _default_meshes[device_type]
+
+
+def mesh_info_for(mesh: DeviceMesh) -> MeshInfo:
+    if mesh.ndim == 1:
+        group = mesh.get_group(0)
+        return MeshInfo(mesh, group, mesh.size(0), mesh.get_local_rank(0), None, 1)
+    if mesh.ndim == 2:
+        return MeshInfo(
+            mesh,
+            shard_group=mesh.get_group(1),
+            shard_size=mesh.size(1),
+            shard_rank=mesh.get_local_rank(1),
+            replicate_group=mesh.get_group(0),
+            replicate_size=mesh.size(0),
+        )
+    raise ValueError(
+        f"fully_shard takes a 1-D mesh (FSDP) or a 2-D (replicate, shard) mesh (HSDP), got a {mesh.ndim}-D mesh; "
+        "pass mesh[dim] or mesh[(replicate_dim, shard_dim)]"
+    )
+
+
+_post_forward_groups: dict[tuple[int, ...], tuple[dist.ProcessGroup, list[int]]] = {}
+
+
+def post_forward_mesh_info_for(info: MeshInfo, post_forward_size: int) -> PostForwardMeshInfo:
+    """Consecutive blocks of ``post_forward_size`` ranks of each shard group (e.g. one node each).
+
+    Every rank creates every block (``new_subgroups_by_enumeration`` is collective over the
+    world), so all ranks must make the same ``fully_shard`` calls in the same order.
+    """
+    mesh_ranks = info.mesh.mesh.reshape(-1, info.shard_size)  # one row per shard group
+    blocks = [row[start : start + post_forward_size].tolist() for row in mesh_ranks for start in range(0, info.shard_size, post_forward_size)]
+    key = tuple(rank for block in blocks for rank in block) + (post_forward_size,)
+    if key not in _post_forward_groups:
+        my_group, _ = dist.new_subgroups_by_enumeration(blocks)
+        my_block = next(block for block in blocks if dist.get_rank() in block)
+        _post_forward_groups[key] = (my_group, my_block)
+    group, block = _post_forward_groups[key]
+    return PostForwardMeshInfo(group, post_forward_size, block.index(dist.get_rank()))

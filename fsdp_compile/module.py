@@ -1,0 +1,336 @@
+"""``fully_shard`` and ``FSDPModule``: the user-facing entry of the eager runtime."""
+from __future__ import annotations
+
+from typing import Any, Callable, overload
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from fsdp_compile.api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from fsdp_compile.mesh import MeshInfo, default_mesh, mesh_device, mesh_info_for, post_forward_mesh_info_for
+from fsdp_compile.param import FSDPParam, ParamRef
+from fsdp_compile.param_group import FSDPParamGroup
+from fsdp_compile.state import FSDPState, state_of
+
+__all__ = ["fully_shard", "FSDPModule", "UnshardHandle"]
+
+# Set on each original parameter a fully_shard call takes: the call's label. An attribute, not a
+# weak mapping: tensors compare elementwise, and weak references block torch.utils.swap_tensors.
+_OWNER_ATTR = "_fsdp_compile_owner"
+_fsdp_classes: dict[type, type] = {}
+
+
+class UnshardHandle:
+    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` makes the parameters usable."""
+
+    def __init__(self, groups: list[FSDPParamGroup]) -> None:
+        self._groups = groups
+
+    def wait(self) -> None:
+        for group in self._groups:
+            group.wait_for_unshard()
+        self._groups = []
+
+
+class FSDPModule:
+    """Mixed into every module ``fully_shard`` was applied to (``isinstance(m, FSDPModule)``)."""
+
+    def _fsdp_state(self) -> FSDPState:
+        state = state_of(self)  # type: ignore[arg-type]
+        assert state is not None, "FSDPModule without fully_shard state"
+        return state
+
+    def _groups(self, recurse: bool) -> list[FSDPParamGroup]:
+        return [s.group for s in self._fsdp_state().states_under(recurse) if s.group is not None]
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this module's parameters ahead of use (e.g. before a custom forward).
+
+        With ``async_op=True`` returns a handle; call ``handle.wait()`` before using them.
+        """
+        groups = self._groups(recurse=False)
+        for group in groups:
+            group.unshard("explicit")
+        handle = UnshardHandle(groups)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Free this module's unsharded parameters and register the sharded ones."""
+        for group in self._groups(recurse=False):
+            group.reshard()
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """On the root: whether this backward should wait for its gradient reductions at its end.
+
+        ``False`` lets microbatch backward passes overlap the next step's start; the reductions
+        land at the next forward of the root.
+        """
+        self._fsdp_state().is_last_backward = is_last_backward
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """``False`` accumulates unsharded gradients locally without reduce-scatter (FSDP1's ``no_sync``).
+
+        Example::
+
+            model.set_requires_gradient_sync(False)
+            for micro in microbatches[:-1]:
+                loss_fn(model(micro)).backward()
+            model.set_requires_gradient_sync(True)
+            loss_fn(model(microbatches[-1])).backward()
+        """
+        for group in self._groups(recurse):
+            group.requires_gradient_sync = requires_gradient_sync
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: ``False`` reduce-scatters but defers the all-reduce across replicas (accumulating)."""
+        for group in self._groups(recurse):
+            group.requires_all_reduce = requires_all_reduce
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+        """Change whether parameters are freed after forward (re-all-gathered in backward)."""
+        for group in self._groups(recurse):
+            group.reshard_after_forward = reshard_after_forward
+            if not reshard_after_forward:
+                group.post_forward_mesh_info = None
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """``False`` keeps parameters unsharded after backward (e.g. between accumulation microbatches)."""
+        for group in self._groups(recurse):
+            group.reshard_after_backward = reshard_after_backward
+
+    def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """All-gather these modules' parameters when this module's forward starts (replaces implicit prefetch)."""
+        self._fsdp_state().forward_prefetch = [_state_of_fsdp_module(m, "set_modules_to_forward_prefetch") for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """All-gather these modules' parameters when this module's backward starts (replaces implicit prefetch)."""
+        self._fsdp_state().backward_prefetch = [_state_of_fsdp_module(m, "set_modules_to_backward_prefetch") for m in modules]
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """The next all-gathers wait for ``event`` (recorded after ``optimizer.step()``) instead of the whole stream."""
+        for group in self._groups(recurse=True):
+            group.post_optim_event = event
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide summed gradients by ``factor`` instead of the data-parallel world size."""
+        for group in self._groups(recurse=True):
+            group.gradient_divide_factor = factor
+
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        # module.to(...) / to_empty(...) replace the local shards; parameters must be sharded for that.
+        groups = self._groups(recurse=True)
+        for group in groups:
+            group.reshard()
+        result = super()._apply(*args, **kwargs)  # type: ignore[misc]
+        for group in groups:
+            for fsdp_param in group.fsdp_params:
+                fsdp_param.reset_after_module_apply()
+        return result
+
+
+def _state_of_fsdp_module(module: Any, caller: str) -> FSDPState:
+    state = state_of(module) if isinstance(module, nn.Module) else None
+    if state is None:
+        raise ValueError(f"{caller} takes modules that fully_shard was applied to; got {type(module).__name__}")
+    return state
+
+
+# --- fully_shard ---------------------------------------------------------------------------------
+
+
+@overload
+def fully_shard(module: nn.Module, **kwargs: Any) -> nn.Module: ...
+@overload
+def fully_shard(module: list[nn.Module], **kwargs: Any) -> list[nn.Module]: ...
+
+
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    ignored_params: set[nn.Parameter] | None = None,
+) -> nn.Module | list[nn.Module]:
+    """Shard ``module``'s parameters on dim 0 across ``mesh``; one all-gather / reduce-scatter group.
+
+    A drop-in for ``torch.distributed.fsdp.fully_shard``. Call it bottom-up: each call takes the
+    parameters of ``module`` not already taken by a call on a submodule. The module's class
+    becomes a subclass of :class:`FSDPModule`; its parameters become ``DTensor`` shards.
+
+    Args:
+        module: a module, or a list of modules sharing one group (e.g. ``[norm, head]``).
+        mesh: 1-D mesh (FSDP) or 2-D ``(replicate, shard)`` mesh (HSDP). Default: all ranks of
+            the default process group, on CUDA for NCCL and CPU for gloo.
+        reshard_after_forward: ``True`` frees parameters after forward (re-all-gathered in
+            backward); ``False`` keeps them; an ``int`` keeps them sharded over blocks of that
+            many ranks; ``None``: ``True`` except for the root module.
+        shard_placement_fn: only ``None`` (dim-0 sharding) is supported.
+        mp_policy: mixed-precision dtypes, see :class:`MixedPrecisionPolicy`.
+        offload_policy: :class:`CPUOffloadPolicy` keeps shards and gradients on CPU.
+        ignored_params: parameters left alone (not sharded, not reduced).
+
+    Example::
+
+        for block in model.layers:
+            fully_shard(block, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        fully_shard(model)
+    """
+    modules = tuple(module) if isinstance(module, (list, tuple)) else (module,)
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"fully_shard takes an nn.Module or a list of them, got {type(m).__name__}")
+        if state_of(m) is not None:
+            raise ValueError(
+                f"fully_shard was already applied to this {type(m).__name__}; apply it once per module "
+                "(bottom-up: blocks first, then the model)"
+            )
+    if shard_placement_fn is not None:
+        raise NotImplementedError("fsdp_compile shards on dim 0 only: pass shard_placement_fn=None")
+    mesh = mesh if mesh is not None else default_mesh()
+    info = mesh_info_for(mesh)
+    if mesh.device_type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            "fully_shard got a 'cuda' mesh but CUDA is not available; on CPU use "
+            "init_device_mesh('cpu', ...) with the gloo backend"
+        )
+    device = mesh_device(mesh)
+    label = type(modules[0]).__name__
+    post_forward_size = _check_reshard_after_forward(reshard_after_forward, info, label)
+    params, refs = _collect_params(modules, {id(p) for p in ignored_params or ()})
+    _check_params(params, refs, device, label)
+    post_forward_info = post_forward_mesh_info_for(info, post_forward_size) if post_forward_size else None
+    _move_buffers(modules, device)
+
+    offload = isinstance(offload_policy, CPUOffloadPolicy)
+    fsdp_params = [
+        FSDPParam(
+            param, refs[id(param)], info, post_forward_info, device, mp_policy.param_dtype, mp_policy.reduce_dtype,
+            offload_to_cpu=offload, pin_memory=offload and offload_policy.pin_memory,
+        )
+        for param in params
+    ]
+    for param in params:
+        setattr(param, _OWNER_ATTR, label)
+    group = None
+    if fsdp_params:
+        group = FSDPParamGroup(
+            fsdp_params, modules, label, info, post_forward_info, device,
+            reshard_after_forward=reshard_after_forward is not False, output_dtype=mp_policy.output_dtype,
+        )
+    FSDPState(modules, group, mp_policy, device, auto_reshard_after_forward=reshard_after_forward is None)
+    for m in modules:
+        cls = type(m)
+        if cls not in _fsdp_classes:
+            _fsdp_classes[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
+        m.__class__ = _fsdp_classes[cls]
+    return module
+
+
+def _check_reshard_after_forward(value: bool | int | None, info: MeshInfo, label: str) -> int:
+    """The post-forward group size for an int ``reshard_after_forward``, else 0."""
+    if value is None or isinstance(value, bool):
+        return 0
+    if not isinstance(value, int) or value < 1 or info.shard_size % value != 0:
+        raise ValueError(
+            f"fully_shard({label}): reshard_after_forward={value!r} must divide the shard mesh size "
+            f"{info.shard_size} (e.g. the ranks per node); use True or False otherwise"
+        )
+    return 0 if value in (1, info.shard_size) else value
+
+
+def _collect_params(
+    modules: tuple[nn.Module, ...], ignored: set[int]
+) -> tuple[list[nn.Parameter], dict[int, list[ParamRef]]]:
+    """Parameters of ``modules`` not owned by an earlier fully_shard on a submodule, with every
+    place each is registered (tied parameters appear under several names)."""
+    params: list[nn.Parameter] = []
+    refs: dict[int, list[ParamRef]] = {}
+    seen_slots: set[tuple[int, str]] = set()
+    root_ids = {id(m) for m in modules}
+
+    def visit(module: nn.Module, prefix: str) -> None:
+        for name, param in module._parameters.items():
+            if param is None or id(param) in ignored or (id(module), name) in seen_slots:
+                continue
+            seen_slots.add((id(module), name))
+            if id(param) not in refs:
+                params.append(param)
+                refs[id(param)] = []
+            refs[id(param)].append(ParamRef(module, name, prefix + name))
+        for child_name, child in module._modules.items():
+            if child is None or (state_of(child) is not None and id(child) not in root_ids):
+                continue
+            visit(child, f"{prefix}{child_name}.")
+
+    for index, module in enumerate(modules):
+        visit(module, "" if len(modules) == 1 else f"[{index}].")
+    return params, refs
+
+
+def _check_params(params: list[nn.Parameter], refs: dict[int, list[ParamRef]], device: torch.device, label: str) -> None:
+    """Everything that would make a later collective hang or compute garbage, said up front."""
+    from torch.distributed.tensor import DTensor
+
+    for param in params:
+        name = refs[id(param)][0].fqn
+        owner = getattr(param, _OWNER_ATTR, None)
+        if owner is not None or isinstance(param.data, DTensor):
+            raise ValueError(
+                f"fully_shard({label}): parameter '{name}' is already managed by fully_shard({owner or 'another call'}). "
+                "A parameter shared by several modules (tied weights) must belong to one group: apply fully_shard "
+                "to a common ancestor of all the modules that use it, or pass them together as a list."
+            )
+        if not param.is_floating_point():
+            raise ValueError(
+                f"fully_shard({label}): parameter '{name}' has dtype {param.dtype}; only floating-point parameters "
+                "can be sharded. Register it as a buffer, or pass it in ignored_params."
+            )
+        if param.dim() == 0:
+            raise ValueError(f"fully_shard({label}): parameter '{name}' is 0-dim; give it shape (1,) to shard it on dim 0")
+    devices = {}
+    for param in params:
+        devices.setdefault(param.device, refs[id(param)][0].fqn)
+    if len(devices) > 1:
+        listed = ", ".join(f"'{name}' on {dev}" for dev, name in devices.items())
+        raise ValueError(
+            f"fully_shard({label}): parameters sit on different devices ({listed}); move the module to one device "
+            "(or materialize meta parameters with to_empty) before fully_shard"
+        )
+    for param_device, name in devices.items():
+        check_param_device(label, name, param_device, device)
+    dtypes = {}
+    for param in params:
+        dtypes.setdefault(param.dtype, refs[id(param)][0].fqn)
+    if len(dtypes) > 1:
+        listed = ", ".join(f"'{name}' is {dtype}" for dtype, name in dtypes.items())
+        raise ValueError(
+            f"fully_shard({label}): one group needs one parameter dtype, but {listed}. Convert the module to one "
+            "dtype (module.to(dtype)) and use MixedPrecisionPolicy for low precision, or shard the differently-typed "
+            "submodules with separate fully_shard calls."
+        )
+
+
+def check_param_device(label: str, param_name: str, param_device: torch.device, mesh_device: torch.device) -> None:
+    """Parameters may start on CPU or meta (moved/sharded onto the mesh device), else must match it."""
+    if param_device.type in ("cpu", "meta") or param_device.type == mesh_device.type:
+        return
+    raise ValueError(
+        f"fully_shard({label}): parameter '{param_name}' is on {param_device} but the mesh is on {mesh_device.type}. "
+        f"Build the mesh for the parameters' device (init_device_mesh('{param_device.type}', ...)) or move the module "
+        f"to {mesh_device.type} first."
+    )
+
+
+def _move_buffers(modules: tuple[nn.Module, ...], device: torch.device) -> None:
+    for module in modules:
+        for submodule in module.modules():
+            for name, buffer in submodule._buffers.items():
+                if buffer is not None and buffer.device != device and buffer.device.type != "meta":
+                    submodule._buffers[name] = buffer.to(device)

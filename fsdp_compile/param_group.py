@@ -1,0 +1,247 @@
+"""FSDPParamGroup: the parameters of one ``fully_shard`` call, moved by one collective each way."""
+from __future__ import annotations
+
+from enum import Enum, auto
+
+import torch
+import torch.nn as nn
+
+from fsdp_compile import collectives
+from fsdp_compile.collectives import PendingAllGather, PendingReduceScatter
+from fsdp_compile.device import DeviceHandle
+from fsdp_compile.kernels import ops
+from fsdp_compile.mesh import MeshInfo, PostForwardMeshInfo
+from fsdp_compile.param import FSDPParam, ShardedState
+
+__all__ = ["TrainingState", "FSDPParamGroup"]
+
+
+class TrainingState(Enum):
+    """Where a group is in the training step; each hook moves it in one place."""
+
+    IDLE = auto()
+    FORWARD = auto()
+    PRE_BACKWARD = auto()
+    POST_BACKWARD = auto()
+
+
+class _PendingReduction:
+    """A reduce-scatter in flight and where its result goes once it lands."""
+
+    def __init__(self, group: "FSDPParamGroup", pending: PendingReduceScatter, params: list[FSDPParam]) -> None:
+        self.group = group
+        self.pending = pending
+        self.params = params
+
+    def finish(self) -> None:
+        self.group._finish_reduction(self.pending, self.params)
+
+
+class FSDPParamGroup:
+    """One all-gather before use, one reduce-scatter after backward, for all its parameters."""
+
+    def __init__(
+        self,
+        fsdp_params: list[FSDPParam],
+        modules: tuple[nn.Module, ...],
+        label: str,
+        mesh_info: MeshInfo,
+        post_forward_mesh_info: PostForwardMeshInfo | None,
+        device: torch.device,
+        reshard_after_forward: bool,
+        output_dtype: torch.dtype | None,
+    ) -> None:
+        self.fsdp_params = fsdp_params
+        self.modules = modules
+        self.label = label
+        self.mesh_info = mesh_info
+        self.post_forward_mesh_info = post_forward_mesh_info
+        self.device = device
+        self.device_handle = DeviceHandle(device)
+        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_backward = True
+        self.requires_gradient_sync = True
+        self.requires_all_reduce = True
+        self.gradient_divide_factor: float | None = None
+        self.post_optim_event: torch.Event | None = None
+        self.training_state = TrainingState.IDLE
+        self.sharded_state = ShardedState.SHARDED
+        self._pending_all_gather: PendingAllGather | None = None
+        # HSDP with set_requires_all_reduce(False): reduce-scattered, not yet all-reduced sums.
+        self._partial_reduce_output: torch.Tensor | None = None
+        # Set by the root state: where in-flight reductions are queued (shared by all groups).
+        self.pending_reductions: list[_PendingReduction] = []
+        self.ran_post_backward = False
+
+    # --- dtypes -----------------------------------------------------------------------------
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return self.fsdp_params[0].param_dtype
+
+    @property
+    def reduce_dtype(self) -> torch.dtype:
+        return self.fsdp_params[0].reduce_dtype
+
+    # --- unshard / reshard ----------------------------------------------------------------------
+    @property
+    def is_unsharded(self) -> bool:
+        return self.sharded_state == ShardedState.UNSHARDED
+
+    @property
+    def has_unshard_in_flight(self) -> bool:
+        return self._pending_all_gather is not None
+
+    def unshard(self, reason: str = "explicit") -> None:
+        """Issue the all-gather (no wait); a no-op when unsharded or already in flight."""
+        if self.is_unsharded or self._pending_all_gather is not None:
+            return
+        if self.sharded_state == ShardedState.SHARDED_POST_FORWARD:
+            info = self.post_forward_mesh_info
+            assert info is not None
+            group, world, rank = info.shard_group, info.shard_size, info.shard_rank
+            padded = [p.padded_post_forward_numel for p in self.fsdp_params]
+        else:
+            info = self.mesh_info
+            group, world, rank = info.shard_group, info.shard_size, info.shard_rank
+            padded = [p.padded_shard_numel for p in self.fsdp_params]
+        self._pending_all_gather = collectives.issue_all_gather(
+            [p.all_gather_input() for p in self.fsdp_params], padded, self.param_dtype, group, world, rank,
+            self.device, self.device_handle, self.label, reason, wait_event=self.post_optim_event,
+        )
+        self.post_optim_event = None
+
+    def wait_for_unshard(self) -> None:
+        """Finish the in-flight all-gather and expose the unsharded parameters on the modules."""
+        if self.is_unsharded:
+            return
+        if self._pending_all_gather is None:
+            self.unshard()
+        pending = self._pending_all_gather
+        assert pending is not None
+        self._pending_all_gather = None
+        gathered = pending.wait()
+        padded = [
+            p.padded_post_forward_numel if p.sharded_state == ShardedState.SHARDED_POST_FORWARD else p.padded_shard_numel
+            for p in self.fsdp_params
+        ]
+        with torch.no_grad():
+            outs = [p.unsharded_data_for_copy_out() for p in self.fsdp_params]
+            ops.all_gather_copy_out(gathered, padded, outs)
+        for fsdp_param in self.fsdp_params:
+            fsdp_param.to_unsharded()
+        self.sharded_state = ShardedState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Back to the sharded parameters; a prefetched all-gather still in flight is finished first."""
+        if self._pending_all_gather is not None:
+            self.wait_for_unshard()
+        if self.sharded_state == ShardedState.SHARDED:
+            return
+        for fsdp_param in self.fsdp_params:
+            fsdp_param.to_sharded()
+        self.sharded_state = ShardedState.SHARDED
+
+    def reshard_post_forward(self) -> None:
+        """After forward: keep the smaller post-forward shard when configured, else fully reshard."""
+        if self.post_forward_mesh_info is not None and self.is_unsharded:
+            for fsdp_param in self.fsdp_params:
+                fsdp_param.to_sharded_post_forward()
+            self.sharded_state = ShardedState.SHARDED_POST_FORWARD
+        else:
+            self.reshard()
+
+    # --- hooks' work ------------------------------------------------------------------------------
+    def pre_forward(self) -> None:
+        self.training_state = TrainingState.FORWARD
+        self.unshard("forward")
+
+    def post_forward(self) -> None:
+        if self.reshard_after_forward:
+            self.reshard_post_forward()
+        self.training_state = TrainingState.IDLE
+
+    def pre_backward(self) -> None:
+        self.training_state = TrainingState.PRE_BACKWARD
+        self.unshard("backward")
+
+    def post_backward(self) -> None:
+        """Reduce this step's gradients (or keep them unsharded when not syncing), then reshard."""
+        self.training_state = TrainingState.POST_BACKWARD
+        self.ran_post_backward = True
+        if self._pending_all_gather is not None:
+            self.wait_for_unshard()
+        if not self.requires_gradient_sync:
+            for fsdp_param in self.fsdp_params:
+                fsdp_param.accumulate_unsharded_grad()
+        else:
+            self._issue_reduction()
+        if self.reshard_after_backward:
+            self.reshard()
+
+    def _issue_reduction(self) -> None:
+        params, grads = [], []
+        for fsdp_param in self.fsdp_params:
+            grad = fsdp_param.take_unsharded_grad()
+            if grad is not None:
+                params.append(fsdp_param)
+                grads.append(grad.contiguous())
+        if not params:
+            return
+        # Older reductions finish now: one in flight at a time bounds the reduce buffers' memory.
+        self.finish_pending_reductions()
+        pre_divide, _ = collectives.gradient_divide_factors(self.mesh_info.data_parallel_size, self.gradient_divide_factor)
+        pending = collectives.issue_reduce_scatter(
+            grads, [p.padded_shard_numel for p in params], self.reduce_dtype, self.mesh_info.shard_group,
+            self.mesh_info.shard_size, pre_divide, self.device, self.device_handle, self.label,
+        )
+        self.pending_reductions.append(_PendingReduction(self, pending, params))
+
+    def finish_pending_reductions(self) -> None:
+        while self.pending_reductions:
+            self.pending_reductions.pop(0).finish()
+
+    def _finish_reduction(self, pending: PendingReduceScatter, params: list[FSDPParam]) -> None:
+        reduced = pending.wait()
+        stream = self.device_handle.side_stream("reduce_scatter")
+        self.device_handle.current_stream_waits_for(stream)
+        padded = [p.padded_shard_numel for p in params]
+        if self.mesh_info.replicate_group is not None:
+            if self._partial_reduce_output is not None:
+                reduced = reduced + self._partial_reduce_output
+                self._partial_reduce_output = None
+            if not self.requires_all_reduce:
+                self._partial_reduce_output = reduced
+                return
+            collectives.all_reduce_replicas(reduced, self.mesh_info.replicate_group, self.label)
+        _, post_divide = collectives.gradient_divide_factors(self.mesh_info.data_parallel_size, self.gradient_divide_factor)
+        outs, had_grad = zip(*(p.sharded_grad_out() for p in params))
+        accumulate = any(had_grad)
+        if accumulate and not all(had_grad):
+            outs = tuple(out if had else out.zero_() for out, had in zip(outs, had_grad))
+        on_device = tuple(out if out.device == self.device else torch.empty_like(out, device=self.device) for out in outs)
+        with torch.no_grad():
+            ops.reduce_scatter_copy_out(reduced, padded, list(on_device), post_divide, accumulate and on_device == outs)
+            for fsdp_param, out, device_out in zip(params, outs, on_device):
+                if device_out is not out:  # CPU offload: the device result goes back to the CPU gradient
+                    out.add_(device_out.to(out.device)) if accumulate else out.copy_(device_out)
+                fsdp_param.set_sharded_grad(out)
+
+    def finalize_backward(self) -> None:
+        """End of backward (root callback): reduce what post-backward missed, wait, reset."""
+        if self._pending_all_gather is not None:
+            # Prefetched but never used in this backward.
+            self.wait_for_unshard()
+        if not self.ran_post_backward and (
+            self.training_state == TrainingState.PRE_BACKWARD or self._has_unsharded_grads()
+        ):
+            self.post_backward()
+        elif self.is_unsharded and self.reshard_after_backward:
+            self.reshard()
+        self.ran_post_backward = False
+        self.training_state = TrainingState.IDLE
+
+    def _has_unsharded_grads(self) -> bool:
+        return any(p._unsharded_param is not None and p._unsharded_param.grad is not None for p in self.fsdp_params)
+
+    def unsharded_storage_bytes(self) -> int:
+        return sum(p.unsharded_storage_bytes() for p in self.fsdp_params)

@@ -1,0 +1,319 @@
+"""FSDPState: the hooks of one ``fully_shard`` call, root lazy init and prefetching.
+
+[Note: hook order in one step]
+Forward: root pre-forward (lazy init, move inputs to the device) -> for each module, pre-forward
+unshards its group and prefetches the next one (explicit list, else the order recorded in the
+previous step) -> post-forward reshards per ``reshard_after_forward`` and hooks the outputs.
+Backward: the first output gradient of a module runs its pre-backward (unshard + prefetch the
+group that ran just before it in forward) -> when gradients reach the module's inputs,
+post-backward reduce-scatters and reshards -> the root's end-of-backward callback reduces what
+post-backward missed (modules whose inputs need no grad), waits and resets the step.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from fsdp_compile.api import MixedPrecisionPolicy
+from fsdp_compile.param_group import FSDPParamGroup, TrainingState
+
+__all__ = ["FSDPState", "state_of", "all_states_under"]
+
+_STATE_ATTR = "_fsdp_compile_state"
+_live_states: "weakref.WeakSet[FSDPState]" = weakref.WeakSet()
+
+
+def state_of(module: nn.Module) -> "FSDPState | None":
+    return module.__dict__.get(_STATE_ATTR)
+
+
+def all_states_under(modules: tuple[nn.Module, ...] | list[nn.Module]) -> list["FSDPState"]:
+    """Every FSDP state in these modules' trees, in pre-order, each once."""
+    seen: dict[int, FSDPState] = {}
+    for root in modules:
+        for module in root.modules():
+            state = state_of(module)
+            if state is not None and id(state) not in seen:
+                seen[id(state)] = state
+    return list(seen.values())
+
+
+class _RootContext:
+    """What the root shares with every state under it for one model."""
+
+    def __init__(self, root: "FSDPState", states: list["FSDPState"]) -> None:
+        self.root = root
+        self.states = states
+        self.pending_reductions: list = []
+        self.previous_forward_order: list[FSDPParamGroup] = []
+        self.forward_order: list[FSDPParamGroup] = []
+        self.post_forward_order: list[FSDPParamGroup] = []
+        self.next_in_forward: dict[int, FSDPParamGroup] = {}
+        self.final_callback_queued = False
+
+    def begin_step(self) -> None:
+        if self.forward_order:
+            self.previous_forward_order = self.forward_order
+        self.forward_order = []
+        self.post_forward_order = []
+        order = self.previous_forward_order
+        self.next_in_forward = {id(group): order[i + 1] for i, group in enumerate(order[:-1])}
+
+
+class _PostBackwardTrigger(torch.autograd.Function):
+    """Identity on a module's inputs whose backward runs once gradients reach those inputs."""
+
+    @staticmethod
+    def forward(ctx: Any, state: "FSDPState", *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.state = state
+        return tuple(x.view_as(x) for x in inputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.state._post_backward()
+        return (None, *grads)
+
+
+def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+    return tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype else x, tree)
+
+
+class FSDPState:
+    """Hooks and per-step bookkeeping for the module(s) of one ``fully_shard`` call."""
+
+    def __init__(
+        self,
+        modules: tuple[nn.Module, ...],
+        group: FSDPParamGroup | None,
+        mp_policy: MixedPrecisionPolicy,
+        device: torch.device,
+        auto_reshard_after_forward: bool,
+    ) -> None:
+        self.modules = modules
+        self.group = group
+        self.mp_policy = mp_policy
+        self.device = device
+        self.auto_reshard_after_forward = auto_reshard_after_forward
+        self.is_root: bool | None = None  # decided at lazy init
+        self.root_ctx: _RootContext | None = None
+        self.training_state = TrainingState.IDLE
+        self.forward_prefetch: list[FSDPState] | None = None
+        self.backward_prefetch: list[FSDPState] | None = None
+        self._modules_to_run_forward: set[int] = set()
+        self._post_forward_indices: list[int] = []
+        # Post-backward triggers attached this step but not yet fired: a group used by several
+        # modules or forward calls reduces once, after the last of them (no repeated collectives).
+        self._unfired_post_backward_triggers = 0
+        self.is_last_backward = True  # read on the root only (set_is_last_backward)
+        self._hook_handles = []
+        for module in modules:
+            module.__dict__[_STATE_ATTR] = self
+            self._hook_handles.append(module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True))
+            self._hook_handles.append(module.register_forward_hook(self._post_forward_hook, prepend=False))
+        _live_states.add(self)
+
+    @property
+    def label(self) -> str:
+        return self.group.label if self.group is not None else type(self.modules[0]).__name__
+
+    # --- lazy init ------------------------------------------------------------------------------
+    def _lazy_init(self) -> None:
+        for other in list(_live_states):
+            if other is self:
+                continue
+            if any(m is mine for outer in other.modules for m in outer.modules() for mine in self.modules):
+                raise RuntimeError(
+                    f"fsdp_compile: forward ran on '{self.label}' before its root '{other.label}'. FSDP initializes "
+                    "lazily from the root: run the forward of the outermost fully_shard module (the model) first."
+                )
+        states = all_states_under(self.modules)
+        for state in states:
+            if state.root_ctx is not None and state is not self:
+                raise RuntimeError(
+                    f"fsdp_compile: '{state.label}' already ran forward as part of another root; run forward "
+                    f"through '{self.label}' first, before any of its submodules"
+                )
+        ctx = _RootContext(self, states)
+        for root_module in self.modules:
+            for name, module in root_module.named_modules():
+                state = state_of(module)
+                if state is not None and state.group is not None and state.group.modules[0] is module:
+                    # Names from the root make collective logs and errors readable ("layers.3").
+                    state.group.label = name or state.group.label
+        for state in states:
+            state.is_root = state is self
+            state.root_ctx = ctx
+            if state.group is None:
+                continue
+            state.group.pending_reductions = ctx.pending_reductions
+            if state.auto_reshard_after_forward:
+                # The root's parameters are needed first in backward: keep them (FSDP2's default).
+                state.group.reshard_after_forward = not state.is_root
+            for fsdp_param in state.group.fsdp_params:
+                if fsdp_param.local_shard().device.type == "meta":
+                    raise RuntimeError(
+                        f"fsdp_compile: parameter '{fsdp_param.fqn}' is still on the meta device at the first forward. "
+                        "Materialize it after fully_shard: call model.to_empty(device=...) then re-initialize "
+                        "(e.g. model.reset_parameters() on each submodule)."
+                    )
+
+    # --- forward --------------------------------------------------------------------------------
+    def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.training_state == TrainingState.PRE_BACKWARD:
+            # Activation-checkpoint recompute inside backward: parameters are already unsharded.
+            return args, kwargs
+        if self.is_root is None:
+            self._lazy_init()
+        ctx = self.root_ctx
+        assert ctx is not None
+        if self.is_root:
+            self._root_pre_forward()
+            args, kwargs = tree_map(lambda x: x.to(self.device) if isinstance(x, torch.Tensor) and x.device != self.device else x, (args, kwargs))
+        self.training_state = TrainingState.FORWARD
+        if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
+            args, kwargs = _cast_floats((args, kwargs), self.mp_policy.param_dtype)
+        group = self.group
+        if group is not None:
+            if not self._modules_to_run_forward:
+                self._modules_to_run_forward = {id(m) for m in self.modules}
+            group.pre_forward()
+            if group not in ctx.forward_order:
+                ctx.forward_order.append(group)
+            self._prefetch_forward(ctx)
+            group.wait_for_unshard()
+        if torch.is_grad_enabled():
+            args, kwargs = self._hook_post_backward_to_inputs(args, kwargs)
+        return args, kwargs
+
+    def _root_pre_forward(self) -> None:
+        ctx = self.root_ctx
+        assert ctx is not None
+        # A previous step that skipped waiting (set_is_last_backward(False)) lands now.
+        for state in ctx.states:
+            if state.group is not None:
+                state.group.finish_pending_reductions()
+                break
+        for state in ctx.states:
+            state._unfired_post_backward_triggers = 0  # forward passes that never ran backward
+        ctx.begin_step()
+
+    def _prefetch_forward(self, ctx: _RootContext) -> None:
+        assert self.group is not None
+        if self.forward_prefetch is not None:
+            targets = [s.group for s in self.forward_prefetch if s.group is not None]
+        else:
+            target = ctx.next_in_forward.get(id(self.group))
+            targets = [target] if target is not None else []
+        for target in targets:
+            if target.training_state != TrainingState.FORWARD:
+                target.unshard("forward-prefetch")
+
+    def _post_forward_hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if self.training_state == TrainingState.PRE_BACKWARD:
+            return output
+        ctx = self.root_ctx
+        assert ctx is not None
+        group = self.group
+        if group is not None:
+            self._modules_to_run_forward.discard(id(module))
+            if not self._modules_to_run_forward:
+                group.post_forward()
+                self._post_forward_indices.append(len(ctx.post_forward_order))
+                ctx.post_forward_order.append(group)
+        if torch.is_grad_enabled():
+            self._hook_pre_backward_to_outputs(output)
+        if self.mp_policy.output_dtype is not None:
+            output = _cast_floats(output, self.mp_policy.output_dtype)
+        self.training_state = TrainingState.IDLE
+        if self.is_root:
+            self._root_post_forward(ctx)
+        return output
+
+    def _root_post_forward(self, ctx: _RootContext) -> None:
+        # Forward prefetches of modules that did not run this step would pin memory until backward.
+        for state in ctx.states:
+            if state.group is not None and state.group.has_unshard_in_flight and state.group not in ctx.forward_order:
+                state.group.reshard()
+
+    # --- backward -------------------------------------------------------------------------------
+    def _hook_post_backward_to_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        flat, spec = tree_flatten((args, kwargs))
+        positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+        if not positions or self.group is None:
+            return args, kwargs
+        hooked = _PostBackwardTrigger.apply(self, *(flat[i] for i in positions))
+        self._unfired_post_backward_triggers += 1
+        for i, tensor in zip(positions, hooked):
+            flat[i] = tensor
+        return tree_unflatten(flat, spec)
+
+    def _hook_pre_backward_to_outputs(self, output: Any) -> None:
+        tensors = [x for x in tree_flatten(output)[0] if isinstance(x, torch.Tensor) and x.requires_grad]
+        if tensors:
+            register_multi_grad_hook(tensors, lambda grads: self._pre_backward(), mode="any")
+
+    def _pre_backward(self) -> None:
+        ctx = self.root_ctx
+        assert ctx is not None
+        if not ctx.final_callback_queued:
+            ctx.final_callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(ctx.root._end_of_backward)
+        self.training_state = TrainingState.PRE_BACKWARD
+        group = self.group
+        if group is None:
+            return
+        group.pre_backward()
+        self._prefetch_backward(ctx)
+        group.wait_for_unshard()
+
+    def _prefetch_backward(self, ctx: _RootContext) -> None:
+        if self.backward_prefetch is not None:
+            targets = [s.group for s in self.backward_prefetch if s.group is not None]
+        elif self._post_forward_indices:
+            index = self._post_forward_indices.pop()
+            targets = [ctx.post_forward_order[index - 1]] if index > 0 else []
+        else:
+            targets = []
+        for target in targets:
+            if target.training_state != TrainingState.POST_BACKWARD:
+                target.unshard("backward-prefetch")
+
+    def _post_backward(self) -> None:
+        self._unfired_post_backward_triggers -= 1
+        if self._unfired_post_backward_triggers > 0:
+            return
+        if self.group is not None and self.group.training_state == TrainingState.PRE_BACKWARD:
+            self.group.post_backward()
+
+    def _end_of_backward(self) -> None:
+        """The root's callback once autograd has finished the whole backward."""
+        ctx = self.root_ctx
+        assert ctx is not None and self.is_root
+        for state in ctx.states:
+            if state.group is not None:
+                state.group.finalize_backward()
+            state.training_state = TrainingState.IDLE
+            state._post_forward_indices.clear()
+            state._modules_to_run_forward.clear()
+            state._unfired_post_backward_triggers = 0
+        if self.is_last_backward:
+            for state in ctx.states:
+                if state.group is not None:
+                    state.group.finish_pending_reductions()
+                    break
+        ctx.post_forward_order = []
+        ctx.final_callback_queued = False
+
+    # --- used by FSDPModule -----------------------------------------------------------------------
+    def states_under(self, recurse: bool) -> list["FSDPState"]:
+        return all_states_under(self.modules) if recurse else [self]
+
+    def remove_hooks(self) -> None:
+        for handle in self._hook_handles:
+            handle.remove()
+

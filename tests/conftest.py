@@ -1,0 +1,128 @@
+"""Process-group fixtures: persistent gloo worker pools, one per world size.
+
+Spawning ranks costs seconds (each re-imports torch), so a pool of ``world_size`` processes
+is started once per session and every distributed test ships a function to it by name.
+A test function is any module-level function in a test module (importable by its module
+name in the workers); it runs on every rank and its return values come back as a list.
+A failing or hanging task tears its pool down so the next test starts clean.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import queue
+import socket
+import sys
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import pytest
+import torch.multiprocessing as mp
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_DIR = os.path.dirname(TESTS_DIR)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any, timeout_s: float) -> None:
+    sys.path[:0] = [TESTS_DIR, REPO_DIR]
+    import torch
+    import torch.distributed as dist
+
+    # Ranks share 2 cores: one thread each keeps them from fighting and keeps numerics stable.
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        module_name, function_name, args, kwargs = task
+        try:
+            function = getattr(importlib.import_module(module_name), function_name)
+            results.put((rank, True, function(*args, **kwargs)))
+        except BaseException:  # noqa: BLE001 - reported to the test process
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class DistributedPool:
+    """``world_size`` gloo ranks that run test functions on demand."""
+
+    def __init__(self, world_size: int, collective_timeout_s: float = 120.0) -> None:
+        context = mp.get_context("spawn")
+        self.world_size = world_size
+        self.tasks = [context.Queue() for _ in range(world_size)]
+        self.results = context.Queue()
+        port = free_port()
+        self.processes = [
+            context.Process(target=_worker, args=(rank, world_size, port, self.tasks[rank], self.results, collective_timeout_s), daemon=True)
+            for rank in range(world_size)
+        ]
+        for process in self.processes:
+            process.start()
+
+    def run(self, function: Callable[..., Any], *args: Any, timeout_s: float = 300.0, **kwargs: Any) -> list[Any]:
+        for task_queue in self.tasks:
+            task_queue.put((function.__module__, function.__name__, args, kwargs))
+        outcomes: dict[int, tuple[bool, Any]] = {}
+        deadline = timeout_s
+        while len(outcomes) < self.world_size:
+            try:
+                rank, ok, value = self.results.get(timeout=deadline)
+            except queue.Empty:
+                missing = sorted(set(range(self.world_size)) - set(outcomes))
+                failures = "".join(f"\n--- rank {r} ---\n{v}" for r, (ok, v) in outcomes.items() if not ok)
+                raise TimeoutError(f"ranks {missing} did not finish {function.__name__}{failures}") from None
+            outcomes[rank] = (ok, value)
+            if not ok:
+                deadline = 30.0  # the others may be stuck in a collective with the failed rank
+        failures = [f"--- rank {r} ---\n{v}" for r, (ok, v) in sorted(outcomes.items()) if not ok]
+        if failures:
+            raise AssertionError(f"{function.__name__} failed:\n" + "\n".join(failures))
+        return [outcomes[r][1] for r in range(self.world_size)]
+
+    def close(self) -> None:
+        for task_queue, process in zip(self.tasks, self.processes):
+            if process.is_alive():
+                task_queue.put(None)
+        for process in self.processes:
+            process.join(timeout=5)
+            if process.is_alive():
+                process.kill()
+
+
+class PoolRegistry:
+    def __init__(self) -> None:
+        self.pools: dict[int, DistributedPool] = {}
+
+    def run(self, world_size: int, function: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """Run ``function(*args, **kwargs)`` on every rank of a ``world_size`` pool."""
+        if world_size not in self.pools:
+            self.pools[world_size] = DistributedPool(world_size)
+        try:
+            return self.pools[world_size].run(function, *args, **kwargs)
+        except (AssertionError, TimeoutError):
+            self.pools.pop(world_size).close()
+            raise
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.close()
+        self.pools.clear()
+
+
+@pytest.fixture(scope="session")
+def dist() -> PoolRegistry:
+    """``dist.run(world_size, fn, *args)`` runs ``fn`` on each rank and returns per-rank results."""
+    registry = PoolRegistry()
+    yield registry
+    registry.close()

@@ -1,0 +1,128 @@
+"""Shared pieces of the distributed tests: the test model, data, reference training, comparisons.
+
+Everything here runs inside the gloo worker processes of conftest.py.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fsdp_compile.models import Transformer, TransformerConfig, next_token_loss
+
+SMALL = TransformerConfig(vocab_size=64, dim=32, n_layers=3, n_heads=4, max_seq_len=16)
+# Uneven on purpose: 37 rows do not split evenly over 2, 3 or 4 ranks.
+UNEVEN = TransformerConfig(vocab_size=37, dim=24, n_layers=2, n_heads=2, ffn_hidden=40, max_seq_len=16)
+
+
+def build_reference(config: TransformerConfig = SMALL, seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    return Transformer(config)
+
+
+def global_batches(steps: int, batch_per_rank: int, world_size: int, config: TransformerConfig = SMALL, seq: int = 12, seed: int = 1) -> list[torch.Tensor]:
+    """Learnable sequences (random start, small random stride, modulo vocab), so loss falls."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = batch_per_rank * world_size
+    batches = []
+    for _ in range(steps):
+        start = torch.randint(0, config.vocab_size, (rows, 1), generator=generator)
+        stride = torch.randint(1, 4, (rows, 1), generator=generator)
+        batches.append((start + stride * torch.arange(seq)) % config.vocab_size)
+    return batches
+
+
+def local_part(batch: torch.Tensor, rank: int | None = None, world_size: int | None = None) -> torch.Tensor:
+    rank = dist.get_rank() if rank is None else rank
+    world_size = dist.get_world_size() if world_size is None else world_size
+    return batch.chunk(world_size)[rank]
+
+
+def make_optimizer(kind: str, params) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+    raise ValueError(kind)
+
+
+def train_reference(model: nn.Module, batches: list[torch.Tensor], optimizer: str, micro_batches: int = 1) -> list[float]:
+    """Single-process unsharded training on the global batches: the ground truth."""
+    opt = make_optimizer(optimizer, model.parameters())
+    losses = []
+    for batch in batches:
+        total = 0.0
+        for micro in batch.chunk(micro_batches):
+            loss = next_token_loss(model(micro), micro) / micro_batches
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses
+
+
+def mean_across_ranks(value: float, group=None) -> float:
+    tensor = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(tensor, group=group)
+    return tensor.item() / dist.get_world_size(group)
+
+
+def train_sharded(
+    model: nn.Module,
+    batches: list[torch.Tensor],
+    optimizer: str,
+    micro_batches: int = 1,
+    data_rank: int | None = None,
+    data_world: int | None = None,
+    before_step: Callable[[int], None] | None = None,
+) -> list[float]:
+    """Each rank trains on its slice of every global batch; returns the global mean loss per step."""
+    opt = make_optimizer(optimizer, model.parameters())
+    losses = []
+    for step, batch in enumerate(batches):
+        if before_step is not None:
+            before_step(step)
+        local = local_part(batch, data_rank, data_world)
+        total = 0.0
+        micro_list = local.chunk(micro_batches)
+        for index, micro in enumerate(micro_list):
+            last = index == len(micro_list) - 1
+            if micro_batches > 1:
+                model.set_requires_gradient_sync(last)
+            loss = next_token_loss(model(micro), micro) / micro_batches
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        losses.append(mean_across_ranks(total))
+    return losses
+
+
+def max_param_difference(sharded: nn.Module, reference: nn.Module) -> float:
+    """Largest |sharded - reference| over all parameters (gathers each DTensor: collective)."""
+    worst = 0.0
+    reference_params = dict(reference.named_parameters())
+    names = [name for name, _ in sharded.named_parameters()]
+    assert names == list(reference_params), f"parameter names differ: {names} vs {list(reference_params)}"
+    for name, param in sharded.named_parameters():
+        full = param.full_tensor() if hasattr(param, "full_tensor") else param
+        assert full.shape == reference_params[name].shape, name
+        worst = max(worst, (full.detach() - reference_params[name].detach()).abs().max().item())
+    return worst
+
+
+def shard_model(model: Transformer, fully_shard, **kwargs) -> Transformer:
+    layer_kwargs = dict(kwargs)
+    for layer in model.layers:
+        fully_shard(layer, **layer_kwargs)
+    root_kwargs = {k: v for k, v in kwargs.items() if k != "reshard_after_forward"}
+    fully_shard(model, **root_kwargs)
+    return model
+
+
+def sharded_copy(reference: nn.Module) -> nn.Module:
+    return copy.deepcopy(reference)

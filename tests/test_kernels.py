@@ -1,0 +1,433 @@
+"""The copy-in / copy-out kernels: reference layout, custom ops, and Triton (interpreted on CPU) against the reference.
+
+The Triton kernels run under Triton's interpreter here (no GPU needed). Triton decides between
+compiling and interpreting when ``@triton.jit`` decorates a function, i.e. when the module is
+executed, and other test modules may already have imported ``fsdp_compile.kernels.triton_impl``
+compiled-mode (``fsdp_compile.kernels`` imports it to register the CUDA kernels). So the
+``interpreted`` fixture executes triton_impl.py a second time, as a separate module object
+under a private name, with TRITON_INTERPRET=1 set just for that execution. That copy is
+independent of test order and of the regular import, and registers nothing (registration is
+an explicit call the copy never makes).
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import random
+
+import pytest
+import torch
+
+from fsdp_compile.kernels import ops, reference
+
+triton = pytest.importorskip("triton")
+
+# The interpreter evaluates NaN inputs with numpy, which warns; NaNs are part of the test data.
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+
+WORD_DTYPE = {4: torch.int32, 2: torch.int16}
+DTYPE_PAIRS = [
+    (torch.float32, torch.bfloat16),
+    (torch.float32, torch.float16),
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.float32),
+]
+PAIR_IDS = ["fp32-bf16", "fp32-fp16", "fp32-fp32", "bf16-fp32"]
+SENTINEL = -1234.5  # poison for outputs: an element the kernel forgets keeps it and fails the compare
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    """triton_impl.py executed afresh with TRITON_INTERPRET=1, so its kernels run on CPU tensors."""
+    path = os.path.join(os.path.dirname(reference.__file__), "triton_impl.py")
+    spec = importlib.util.spec_from_file_location("_fsdp_compile_triton_impl_interpreted", path)
+    module = importlib.util.module_from_spec(spec)
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        if previous is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+    assert module.INTERPRETED, "TRITON_INTERPRET=1 did not reach triton.jit; the kernels would need a GPU"
+    return module
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers: FSDP-style groups and value generators
+# ---------------------------------------------------------------------------------------------
+
+
+def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor, nan_payloads: bool = True) -> None:
+    """Bitwise equality (so -0.0 vs 0.0 and inf count); with nan_payloads=False any NaN matches any NaN.
+
+    Converting a NaN to bf16/fp16 has no single answer to match: torch on CPU writes 0xFFFF from
+    its vector path and 0x7FC0 from its scalar tail, CUDA writes 0x7FFF. Everything else is exact.
+    """
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    words = WORD_DTYPE[actual.element_size()]
+    actual_bits, expected_bits = actual.reshape(-1).view(words), expected.reshape(-1).view(words)
+    if not nan_payloads:
+        nan = expected.reshape(-1).isnan()
+        assert torch.equal(actual.reshape(-1).isnan(), nan), "NaN in different places"
+        actual_bits, expected_bits = actual_bits[~nan], expected_bits[~nan]
+    mismatch = (actual_bits != expected_bits).nonzero().reshape(-1)
+    if mismatch.numel():
+        index = mismatch[0].item()
+        raise AssertionError(
+            f"{mismatch.numel()} of {actual_bits.numel()} elements differ; first at {index}: "
+            f"got {actual_bits[index].item():#x}, expected {expected_bits[index].item():#x}"
+        )
+
+
+def interesting_values(numel: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Random bit patterns (all of NaN, inf, subnormals, -0.0 appear), biased toward rounding ties.
+
+    For float32 sources a third of the values sit exactly halfway between two bf16 numbers,
+    a third halfway between two fp16 numbers with exponents in and around fp16's range
+    (subnormals, normals, the overflow threshold), the rest are uniform random bits.
+    """
+    if dtype != torch.float32:
+        return torch.randint(-(2**15), 2**15, (numel,), dtype=torch.int16, generator=gen).view(dtype)
+    bits = torch.randint(-(2**31), 2**31, (numel,), dtype=torch.int64, generator=gen)
+    bf16_ties = (bits & ~0xFFFF) | 0x8000
+    exponent = torch.randint(100, 145, (numel,), generator=gen)
+    dropped = torch.clamp(126 - exponent, 13, 24)  # fp16 drops 13 significand bits, more for subnormals
+    kept = bits & (0x80000000 | ((0x7FFFFF >> dropped) << dropped))
+    tie_bit = torch.where(dropped < 24, 1 << (dropped - 1), 0)  # at 24 the tie bit is the implicit one
+    fp16_ties = kept | (exponent << 23) | tie_bit
+    choice = torch.arange(numel) % 3
+    bits = torch.where(choice == 0, bf16_ties, torch.where(choice == 1, fp16_ties, bits))
+    bits = torch.where(bits >= 2**31, bits - 2**32, bits)
+    return bits.to(torch.int32).view(torch.float32)
+
+
+def random_shapes(count: int, rng: random.Random) -> list[tuple[int, ...]]:
+    """Parameter shapes with empty ones, 1-element ones, and one spanning several kernel blocks."""
+    shapes = []
+    for index in range(count):
+        kind = rng.random()
+        if kind < 0.1:
+            shapes.append((0,) if rng.random() < 0.5 else (3, 0))
+        elif kind < 0.25:
+            shapes.append((1,))
+        elif kind < 0.6:
+            shapes.append((rng.randint(1, 40),))
+        else:
+            shapes.append((rng.randint(1, 13), rng.randint(1, 9)))
+    shapes[count // 2] = (5, 1031)  # 5155 elements: several 2048-element blocks, odd row length
+    return shapes
+
+
+def padded_numel(shape: tuple[int, ...], world: int) -> int:
+    return math.ceil(shape[0] / world) * math.prod(shape[1:])
+
+
+def shard(unsharded: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """Rank's rows of dim 0 (FSDP's uneven sharding: the last ranks may get fewer or none)."""
+    rows = math.ceil(unsharded.shape[0] / world)
+    return unsharded[rank * rows : (rank + 1) * rows].contiguous()
+
+
+# (src, dst, parameter count, world sizes). The interpreter costs milliseconds per program and a
+# [world, total] kernel runs one program per (block, rank), so every dtype pair and world size
+# runs on 1-parameter groups, and the 100-parameter group (empty, 1-element and multi-block
+# parameters) on the two narrowing pairs, each at one world size.
+CASES = [pytest.param(src, dst, 1, range(1, 9), id=f"1param-{name}") for (src, dst), name in zip(DTYPE_PAIRS, PAIR_IDS)]
+CASES.append(pytest.param(torch.float32, torch.bfloat16, 100, [3], id="100params-fp32-bf16"))
+CASES.append(pytest.param(torch.float32, torch.float16, 100, [5], id="100params-fp32-fp16"))
+
+
+def make_group(count: int, world: int, seed: int):
+    """Shapes and padded per-rank sizes; a 1-parameter group alternates a (1,) parameter and a larger one."""
+    rng = random.Random(seed)
+    if count == 1:
+        shapes = [(1,)] if seed % 2 else [(rng.randint(1, 3 * world), 97)]
+    else:
+        shapes = random_shapes(count, rng)
+    return shapes, [padded_numel(shape, world) for shape in shapes]
+
+
+def poisoned(shape, dtype) -> torch.Tensor:
+    return torch.full(shape, SENTINEL, dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference against a layout worked out by hand (2 parameters, world 2)
+# ---------------------------------------------------------------------------------------------
+#
+# p0 has shape (3, 2): ceil(3 / 2) = 2 rows per rank, padded 4; p1 has shape (1,): padded 1.
+#   rank 0's row: | p0 rows 0-1: 0 1 2 3 | p1: 6 |
+#   rank 1's row: | p0 row 2:   4 5 _ _ | p1: _ |      (_ = padding, zero)
+
+HAND_PADDED = [4, 1]
+HAND_GATHERED = torch.tensor([[0.0, 1, 2, 3, 6], [4, 5, 0, 0, 0]])
+
+
+def test_reference_all_gather_copy_in_matches_hand_layout():
+    out = poisoned((5,), torch.float32)
+    reference.all_gather_copy_in([torch.tensor([4.0, 5.0]), torch.empty(0)], HAND_PADDED, out)
+    assert torch.equal(out, HAND_GATHERED[1])
+
+
+def test_reference_all_gather_copy_out_matches_hand_layout():
+    p0, p1 = poisoned((3, 2), torch.float32), poisoned((1,), torch.float32)
+    reference.all_gather_copy_out(HAND_GATHERED, HAND_PADDED, [p0, p1])
+    assert torch.equal(p0, torch.arange(6.0).view(3, 2)) and torch.equal(p1, torch.tensor([6.0]))
+
+
+def test_reference_reduce_scatter_copy_in_matches_hand_layout():
+    out = poisoned((2, 5), torch.float32)
+    reference.reduce_scatter_copy_in([torch.arange(6.0).view(3, 2), torch.tensor([6.0])], HAND_PADDED, out, 2.0)
+    assert torch.equal(out, HAND_GATHERED / 2)
+
+
+def test_reference_reduce_scatter_copy_out_matches_hand_layout():
+    p0, p1 = torch.ones(1, 2), torch.ones(0)
+    reference.reduce_scatter_copy_out(HAND_GATHERED[1], HAND_PADDED, [p0, p1], 4.0, accumulate=True)
+    assert torch.equal(p0, torch.tensor([[2.0, 2.25]])) and p1.numel() == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The custom ops on CPU are the reference
+# ---------------------------------------------------------------------------------------------
+
+
+def test_custom_ops_on_cpu_equal_reference():
+    gen = torch.Generator().manual_seed(0)
+    world = 3
+    shapes, padded = make_group(100, world, seed=1)
+    unsharded = [torch.randn(shape, generator=gen) for shape in shapes]
+
+    shards = [shard(t, 1, world) for t in unsharded]
+    ours, theirs = poisoned((sum(padded),), torch.bfloat16), poisoned((sum(padded),), torch.bfloat16)
+    torch.ops.fsdp_compile.all_gather_copy_in(shards, padded, ours)
+    reference.all_gather_copy_in(shards, padded, theirs)
+    assert_same_bits(ours, theirs)
+
+    gathered = torch.randn(world, sum(padded), generator=gen)
+    ours, theirs = [poisoned(s, torch.bfloat16) for s in shapes], [poisoned(s, torch.bfloat16) for s in shapes]
+    torch.ops.fsdp_compile.all_gather_copy_out(gathered, padded, ours)
+    reference.all_gather_copy_out(gathered, padded, theirs)
+    for a, b in zip(ours, theirs):
+        assert_same_bits(a, b)
+
+    ours, theirs = poisoned((world, sum(padded)), torch.float32), poisoned((world, sum(padded)), torch.float32)
+    torch.ops.fsdp_compile.reduce_scatter_copy_in(unsharded, padded, ours, 3.0)
+    reference.reduce_scatter_copy_in(unsharded, padded, theirs, 3.0)
+    assert_same_bits(ours, theirs)
+
+    reduced = torch.randn(sum(padded), generator=gen)
+    ours = [torch.randn(shard(t, 2, world).shape, generator=gen) for t in unsharded]
+    theirs = [t.clone() for t in ours]
+    torch.ops.fsdp_compile.reduce_scatter_copy_out(reduced, padded, ours, 3.0, True)
+    reference.reduce_scatter_copy_out(reduced, padded, theirs, 3.0, True)
+    for a, b in zip(ours, theirs):
+        assert_same_bits(a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels (interpreted) against the reference, bit for bit
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("src, dst, count, worlds", CASES)
+def test_triton_all_gather_copy_in_equals_reference(interpreted, src, dst, count, worlds):
+    for world in worlds:
+        gen = torch.Generator().manual_seed(world)
+        shapes, padded = make_group(count, world, seed=world)
+        for rank in sorted({0, world - 1}):
+            shards = [shard(interesting_values(math.prod(s), src, gen).view(s), rank, world) for s in shapes]
+            ours, theirs = poisoned((sum(padded),), dst), poisoned((sum(padded),), dst)
+            interpreted.all_gather_copy_in(shards, padded, ours)
+            reference.all_gather_copy_in(shards, padded, theirs)
+            assert_same_bits(ours, theirs, nan_payloads=src == dst)
+
+
+@pytest.mark.parametrize("src, dst, count, worlds", CASES)
+def test_triton_all_gather_copy_out_equals_reference(interpreted, src, dst, count, worlds):
+    for world in worlds:
+        gen = torch.Generator().manual_seed(world)
+        shapes, padded = make_group(count, world, seed=world + 1)
+        gathered = interesting_values(world * sum(padded), src, gen).view(world, sum(padded))
+        ours, theirs = [poisoned(s, dst) for s in shapes], [poisoned(s, dst) for s in shapes]
+        interpreted.all_gather_copy_out(gathered, padded, ours)
+        reference.all_gather_copy_out(gathered, padded, theirs)
+        for a, b in zip(ours, theirs):
+            assert_same_bits(a, b, nan_payloads=src == dst)
+
+
+@pytest.mark.parametrize("pre_divide", [1.0, 3.0])
+@pytest.mark.parametrize("src, dst, count, worlds", CASES)
+def test_triton_reduce_scatter_copy_in_equals_reference(interpreted, src, dst, count, worlds, pre_divide):
+    for world in worlds:
+        gen = torch.Generator().manual_seed(world)
+        shapes, padded = make_group(count, world, seed=world + 2)
+        grads = [interesting_values(math.prod(s), src, gen).view(s) for s in shapes]
+        ours, theirs = poisoned((world, sum(padded)), dst), poisoned((world, sum(padded)), dst)
+        interpreted.reduce_scatter_copy_in(grads, padded, ours, pre_divide)
+        reference.reduce_scatter_copy_in(grads, padded, theirs, pre_divide)
+        assert_same_bits(ours, theirs, nan_payloads=src == dst and pre_divide == 1.0)
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+@pytest.mark.parametrize("post_divide", [1.0, 3.0])
+@pytest.mark.parametrize("src, dst, count, worlds", CASES)
+def test_triton_reduce_scatter_copy_out_equals_reference(interpreted, src, dst, count, worlds, post_divide, accumulate):
+    for world in worlds:
+        gen = torch.Generator().manual_seed(world)
+        shapes, padded = make_group(count, world, seed=world + 3)
+        rank = world - 1
+        reduced = interesting_values(sum(padded), src, gen)
+        sharded_shapes = [shard(torch.empty(s), rank, world).shape for s in shapes]
+        if accumulate:
+            ours = [torch.randn(s, generator=gen).to(dst) for s in sharded_shapes]
+        else:
+            ours = [poisoned(s, dst) for s in sharded_shapes]
+        theirs = [t.clone() for t in ours]
+        interpreted.reduce_scatter_copy_out(reduced, padded, ours, post_divide, accumulate)
+        reference.reduce_scatter_copy_out(reduced, padded, theirs, post_divide, accumulate)
+        exact_nans = src == dst and post_divide == 1.0 and not accumulate
+        for a, b in zip(ours, theirs):
+            assert_same_bits(a, b, nan_payloads=exact_nans)
+
+
+def test_triton_divides_by_negative_factor_like_reference(interpreted):
+    """Padding is divided too: 0 / -2 is -0.0 in the reference, so the kernel must not skip it."""
+    grads = [torch.randn(5), torch.randn(1, 3)]
+    padded = [padded_numel((5,), 4), padded_numel((1, 3), 4)]
+    ours, theirs = poisoned((4, sum(padded)), torch.bfloat16), poisoned((4, sum(padded)), torch.bfloat16)
+    interpreted.reduce_scatter_copy_in(grads, padded, ours, -2.0)
+    reference.reduce_scatter_copy_in(grads, padded, theirs, -2.0)
+    assert_same_bits(ours, theirs)
+
+
+@pytest.mark.parametrize("dst", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_triton_narrowing_rounds_every_boundary_case_like_torch(interpreted, dst):
+    """Ties to even, carries into the exponent, overflow to inf, fp16 subnormals and underflow, signed zeros."""
+    info = torch.finfo(dst)
+    ulp_bits = 16 if dst == torch.bfloat16 else 13
+    values = [0.0, -0.0, 1.0, -1.0, float("inf"), float("-inf"), float(info.max), -float(info.max),
+              float(info.tiny), float(info.smallest_normal) / 2, float(info.tiny) * info.eps, 2.0**-25, 2.0**-26,
+              65504.0, 65519.0, 65520.0, 65536.0, 3.0e38, 1e-45]
+    base = torch.tensor(values, dtype=torch.float32).view(torch.int32)
+    # Exactly halfway (even and odd neighbours), just below and just above halfway.
+    half = 1 << (ulp_bits - 1)
+    odd = torch.tensor([0x3F800000 | (1 << ulp_bits), 0x477FE000, 0x7F7F0000, 0x00010000], dtype=torch.int32)
+    neighbours = torch.cat([odd, base & ~((1 << ulp_bits) - 1)])
+    ties = torch.cat([neighbours | half, neighbours | (half - 1), neighbours | (half + 1)])
+    source = torch.cat([base, ties, -ties.view(torch.float32).abs().view(torch.int32)]).view(torch.float32)
+    ours, theirs = poisoned(source.shape, dst), poisoned(source.shape, dst)
+    interpreted.all_gather_copy_in([source], [source.numel()], ours)
+    reference.all_gather_copy_in([source], [source.numel()], theirs)
+    assert_same_bits(ours, theirs, nan_payloads=False)
+
+
+def test_triton_cuda_divide_mode_multiplies_by_float32_reciprocal(interpreted):
+    """On CUDA, torch computes ``t / d`` for a Python scalar d as ``t * float32(1 / d)`` (BinaryDivTrueKernel.cu),
+    so the kernels do too there. Only the arithmetic is checked here, on CPU, against that formula."""
+    gen = torch.Generator().manual_seed(7)
+    reduced = interesting_values(300, torch.float32, gen)
+    out = poisoned((300,), torch.float32)  # in float32 about a third of the quotients differ from t / 3
+    divisor, reciprocal = interpreted._divisor_and_reciprocal(3.0)
+    metadata = interpreted._metadata([out], [300], [1], out.device)
+    interpreted._reduce_scatter_copy_out_kernel[(1,)](
+        metadata, 1, reduced.view(torch.int32), divisor, reciprocal,
+        SRC=0, DST=0, DIVIDE=True, BY_RECIPROCAL=True, ACCUMULATE=False, BLOCK=interpreted.BLOCK_SIZE,
+    )
+    assert reciprocal == float(torch.tensor(1.0) / torch.tensor(3.0))
+    assert_same_bits(out, reduced * reciprocal, nan_payloads=False)
+    assert not torch.equal(out.view(torch.int32), (reduced / 3.0).view(torch.int32))
+
+
+def test_triton_launches_one_kernel_for_a_hundred_parameters(interpreted, monkeypatch):
+    launches = []
+
+    class CountingKernel:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return self.kernel[grid]
+
+    name = "_reduce_scatter_copy_in_kernel"
+    monkeypatch.setattr(interpreted, name, CountingKernel(getattr(interpreted, name)))
+    shapes, padded = make_group(100, 2, seed=5)
+    grads = [torch.randn(s) for s in shapes]
+    interpreted.reduce_scatter_copy_in(grads, padded, torch.empty(2, sum(padded)), 2.0)
+    assert len(launches) == 1
+
+
+def test_triton_group_of_only_empty_parameters_is_a_no_op(interpreted):
+    out = torch.empty(0)
+    interpreted.all_gather_copy_in([torch.empty(0), torch.empty(0, 3)], [0, 0], out)
+    interpreted.reduce_scatter_copy_out(torch.empty(0), [0], [torch.empty(0)], 2.0, True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad arguments fail with a message, before anything is written
+# ---------------------------------------------------------------------------------------------
+
+
+def test_triton_rejects_padded_numels_of_wrong_length(interpreted):
+    with pytest.raises(ValueError, match="padded_numels"):
+        interpreted.all_gather_copy_in([torch.ones(2), torch.ones(1)], [2], torch.empty(2))
+
+
+def test_triton_rejects_shard_larger_than_padded_size(interpreted):
+    with pytest.raises(ValueError, match="more than its padded size"):
+        interpreted.all_gather_copy_in([torch.ones(3)], [2], torch.empty(2))
+
+
+def test_triton_rejects_buffer_of_wrong_size(interpreted):
+    with pytest.raises(ValueError, match="columns but padded_numels add up to"):
+        interpreted.all_gather_copy_out(torch.ones(2, 5), [2], [torch.empty(4)])
+
+
+def test_triton_rejects_non_contiguous_tensors(interpreted):
+    grad = torch.ones(4, 3).t()
+    with pytest.raises(ValueError, match="contiguous"):
+        interpreted.reduce_scatter_copy_in([grad], [6], torch.empty(2, 6), 1.0)
+
+
+def test_triton_rejects_integer_tensors(interpreted):
+    with pytest.raises(ValueError, match="floating-point"):
+        interpreted.reduce_scatter_copy_out(torch.ones(4, dtype=torch.int32), [4], [torch.empty(4)], 1.0, False)
+
+
+def test_triton_rejects_mixed_dtypes_within_a_role(interpreted):
+    with pytest.raises(ValueError, match="one dtype"):
+        interpreted.all_gather_copy_in([torch.ones(2), torch.ones(2, dtype=torch.bfloat16)], [2, 2], torch.empty(4))
+
+
+def test_triton_rejects_float64(interpreted):
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
+        interpreted.all_gather_copy_out(torch.ones(1, 2, dtype=torch.float64), [2], [torch.empty(2)])
+
+
+def test_compiled_triton_rejects_cpu_tensors():
+    from fsdp_compile.kernels import triton_impl
+
+    if triton_impl.INTERPRETED:
+        pytest.skip("the whole run is interpreted (TRITON_INTERPRET=1 set globally)")
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        triton_impl.all_gather_copy_in([torch.ones(2)], [2], torch.empty(2))
+
+
+def test_importing_kernels_registers_triton_as_the_cuda_implementation():
+    import fsdp_compile.kernels  # noqa: F401
+    from fsdp_compile.kernels import triton_impl
+
+    if triton_impl.INTERPRETED:
+        pytest.skip("interpreted kernels need CPU tensors and are not registered for CUDA")
+    for name in ("all_gather_copy_in", "all_gather_copy_out", "reduce_scatter_copy_in", "reduce_scatter_copy_out"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"fsdp_compile::{name}", "CUDA"), name
+
+
+def test_custom_op_rejects_bad_arguments_on_cpu():
+    with pytest.raises(ValueError, match="non-zero"):
+        torch.ops.fsdp_compile.reduce_scatter_copy_out(torch.ones(2), [2], [torch.empty(2)], 0.0, False)

@@ -1,0 +1,286 @@
+"""Behaviour of the eager runtime: memory, prefetch order, state machines, FSDPModule methods."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import fsdp_compile
+from fsdp_compile import FSDPModule, ShardedState, TrainingState, fully_shard
+from fsdp_compile.models import next_token_loss
+from fsdp_testing import SMALL, build_reference, global_batches, local_part, shard_model, sharded_copy
+
+
+def _groups(model):
+    return [m._fsdp_state().group for m in model.modules() if isinstance(m, FSDPModule) and m._fsdp_state().group is not None]
+
+
+def _storage_after_forward(reshard_after_forward: bool):
+    model = shard_model(build_reference(), fully_shard, reshard_after_forward=reshard_after_forward)
+    tokens = local_part(global_batches(1, 2, dist.get_world_size())[0])
+    logits = model(tokens)
+    layer_bytes = [layer._fsdp_state().group.unsharded_storage_bytes() for layer in model.layers]
+    layer_states = [layer._fsdp_state().group.sharded_state.name for layer in model.layers]
+    registered_is_dtensor = all(isinstance(p, torch.distributed.tensor.DTensor) for p in model.layers[0].parameters())
+    next_token_loss(logits, tokens).backward()
+    after_backward = [layer._fsdp_state().group.unsharded_storage_bytes() for layer in model.layers]
+    return layer_bytes, layer_states, registered_is_dtensor, after_backward
+
+
+def test_reshard_after_forward_frees_unsharded_storage(dist):
+    layer_bytes, states, registered_is_dtensor, after_backward = dist.run(2, _storage_after_forward, True)[0]
+    assert layer_bytes == [0] * SMALL.n_layers
+    assert states == ["SHARDED"] * SMALL.n_layers
+    assert registered_is_dtensor
+    assert after_backward == [0] * SMALL.n_layers
+
+
+def test_no_reshard_after_forward_keeps_unsharded_storage(dist):
+    layer_bytes, states, registered_is_dtensor, after_backward = dist.run(2, _storage_after_forward, False)[0]
+    reference_block_bytes = sum(p.numel() * p.element_size() for p in build_reference().layers[0].parameters())
+    assert layer_bytes == [reference_block_bytes] * SMALL.n_layers
+    assert states == ["UNSHARDED"] * SMALL.n_layers
+    assert not registered_is_dtensor
+    assert after_backward == [0] * SMALL.n_layers  # reshard_after_backward defaults to True
+
+
+def _collective_order():
+    model = shard_model(build_reference(), fully_shard)
+    batches = global_batches(2, 2, dist.get_world_size())
+    logs = []
+    for batch in batches:
+        tokens = local_part(batch)
+        with fsdp_compile.record_collectives() as log:
+            next_token_loss(model(tokens), tokens).backward()
+        logs.append([(r.kind, r.group, r.reason) for r in log])
+    return logs
+
+
+def test_all_gather_and_reduce_scatter_order_follows_the_prefetch_design(dist):
+    first_step, second_step = dist.run(2, _collective_order)[0]
+    AG, RS = "all_gather", "reduce_scatter"
+    # Step 2 prefetches in forward along the order recorded in step 1 (root, layers.0, .1, .2);
+    # backward prefetches in reverse post-forward order; the root keeps its parameters after
+    # forward, and its reduce-scatter waits for the end-of-backward callback (its inputs are ids).
+    backward = [
+        (AG, "layers.2", "backward-prefetch"), (AG, "layers.1", "backward-prefetch"), (RS, "layers.2", "backward"),
+        (AG, "layers.0", "backward-prefetch"), (RS, "layers.1", "backward"), (RS, "layers.0", "backward"),
+        (RS, "Transformer", "backward"),
+    ]
+    assert second_step == [
+        (AG, "Transformer", "forward"), (AG, "layers.0", "forward-prefetch"), (AG, "layers.1", "forward-prefetch"),
+        (AG, "layers.2", "forward-prefetch"),
+    ] + backward
+    # Step 1 has no recorded order yet: every forward all-gather is issued by its own module.
+    assert first_step == [(AG, "Transformer", "forward"), (AG, "layers.0", "forward"), (AG, "layers.1", "forward"), (AG, "layers.2", "forward")] + backward
+
+
+def _states_during_step():
+    model = shard_model(build_reference(), fully_shard)
+    tokens = local_part(global_batches(1, 2, dist.get_world_size())[0])
+    seen = {}
+
+    def record(name):
+        def hook(module, args, output=None):
+            group = module._fsdp_state().group
+            seen.setdefault(name, []).append((group.training_state.name, group.sharded_state.name))
+        return hook
+
+    model.layers[1].register_forward_pre_hook(record("pre_forward"))  # runs after ours (prepended)
+    logits = model(tokens)
+    seen["after_forward"] = [(g.training_state.name, g.sharded_state.name) for g in _groups(model)]
+    next_token_loss(logits, tokens).backward()
+    seen["after_backward"] = [(g.training_state.name, g.sharded_state.name) for g in _groups(model)]
+    return seen
+
+
+def test_groups_walk_the_named_state_machines(dist):
+    seen = dist.run(2, _states_during_step)[0]
+    assert seen["pre_forward"] == [("FORWARD", "UNSHARDED")]
+    # The root keeps its parameters (reshard_after_forward=None means False for the root).
+    assert seen["after_forward"] == [("IDLE", "UNSHARDED")] + [("IDLE", "SHARDED")] * SMALL.n_layers
+    assert seen["after_backward"] == [("IDLE", "SHARDED")] * (SMALL.n_layers + 1)
+    assert TrainingState.PRE_BACKWARD.name == "PRE_BACKWARD" and ShardedState.SHARDED_POST_FORWARD
+
+
+def _explicit_unshard_and_reshard():
+    model = shard_model(build_reference(), fully_shard)
+    layer = model.layers[0]
+    with fsdp_compile.record_collectives() as log:
+        handle = layer.unshard(async_op=True)
+        handle.wait()
+    unsharded = [type(p).__name__ for p in layer.parameters()]
+    full_shapes = [tuple(p.shape) for p in layer.parameters()]
+    layer.reshard()
+    resharded = [type(p).__name__ for p in layer.parameters()]
+    return unsharded, full_shapes, resharded, [(r.kind, r.reason) for r in log]
+
+
+def test_explicit_unshard_async_then_reshard(dist):
+    unsharded, full_shapes, resharded, log = dist.run(2, _explicit_unshard_and_reshard)[0]
+    reference_shapes = [tuple(p.shape) for p in build_reference().layers[0].parameters()]
+    assert set(unsharded) == {"Parameter"} and full_shapes == reference_shapes
+    assert set(resharded) == {"DTensor"}
+    assert log == [("all_gather", "explicit")]
+
+
+def _tied_frozen_and_buffers():
+    reference = build_reference()
+    model = sharded_copy(reference)
+    model.layers[0].attention.wq.weight.requires_grad_(False)
+    reference.layers[0].attention.wq.weight.requires_grad_(False)
+    buffer_before = model.rope_cos.clone()
+    shard_model(model, fully_shard)
+    tied = model.output.weight is model.tok_embeddings.weight
+    buffer_kept = type(model.rope_cos) is torch.Tensor and torch.equal(model.rope_cos, buffer_before)
+    tokens = global_batches(1, 2, dist.get_world_size())[0]
+    local = local_part(tokens)
+    next_token_loss(model(local), local).backward()
+    next_token_loss(reference(tokens), tokens).backward()
+    frozen_grad_is_none = model.layers[0].attention.wq.weight.grad is None
+    tied_grad = model.tok_embeddings.weight.grad.full_tensor()
+    tied_grad_error = (tied_grad - reference.tok_embeddings.weight.grad).abs().max().item()
+    tied_after = model.output.weight is model.tok_embeddings.weight
+    return tied, buffer_kept, frozen_grad_is_none, tied_grad_error, tied_after
+
+
+def test_tied_frozen_parameters_and_buffers(dist):
+    for tied, buffer_kept, frozen_grad_is_none, tied_grad_error, tied_after in dist.run(2, _tied_frozen_and_buffers):
+        assert tied and tied_after, "tied weights must stay one parameter"
+        assert buffer_kept, "buffers are not sharded"
+        assert frozen_grad_is_none
+        # The tied weight's gradient sums embedding and head contributions, as unsharded.
+        assert tied_grad_error < 1e-6
+
+
+def _last_backward_and_reshard_after_backward():
+    model = shard_model(build_reference(), fully_shard)
+    tokens = local_part(global_batches(1, 2, dist.get_world_size())[0])
+    model.set_reshard_after_backward(False)
+    next_token_loss(model(tokens), tokens).backward()
+    kept = [g.sharded_state.name for g in _groups(model)]
+    with fsdp_compile.record_collectives() as log:
+        model(tokens)  # parameters still unsharded: no all-gather needed
+    forward_gathers = len([r for r in log if r.kind == "all_gather"])
+    model.set_reshard_after_backward(True)
+    for group in _groups(model):
+        group.reshard()
+    model.zero_grad()
+    model.set_is_last_backward(False)
+    next_token_loss(model(tokens), tokens).backward()
+    pending_after_backward = len(_groups(model)[0].pending_reductions)
+    model.set_is_last_backward(True)
+    model(tokens)  # the next forward lands the deferred reduction
+    pending_after_forward = len(_groups(model)[0].pending_reductions)
+    model.reshard()  # the root keeps unsharded parameters registered after forward
+    grads_present = all(p.grad is not None for p in model.parameters())
+    return kept, forward_gathers, pending_after_backward, pending_after_forward, grads_present
+
+
+def test_reshard_after_backward_false_and_deferred_last_backward(dist):
+    kept, forward_gathers, pending_after_backward, pending_after_forward, grads_present = dist.run(2, _last_backward_and_reshard_after_backward)[0]
+    assert kept == ["UNSHARDED"] * (SMALL.n_layers + 1)
+    assert forward_gathers == 0
+    assert pending_after_backward == 1 and pending_after_forward == 0
+    assert grads_present
+
+
+def _divide_factor_and_post_optim_event():
+    world = dist.get_world_size()
+    reference = build_reference()
+    model = shard_model(sharded_copy(reference), fully_shard)
+    model.set_gradient_divide_factor(1.0)  # sum instead of average
+    model.set_post_optim_event(torch.Event())  # CPU: accepted, nothing to wait for
+    tokens = global_batches(1, 2, world)[0]
+    local = local_part(tokens)
+    next_token_loss(model(local), local).backward()
+    # Reference of a sum: each rank's local-mean gradient, summed over ranks.
+    grads = []
+    for rank in range(world):
+        reference.zero_grad()
+        part = local_part(tokens, rank, world)
+        next_token_loss(reference(part), part).backward()
+        grads.append(reference.layers[0].attention.wq.weight.grad.clone())
+    expected = sum(grads)
+    got = model.layers[0].attention.wq.weight.grad.full_tensor()
+    return (got - expected).abs().max().item()
+
+
+def test_gradient_divide_factor_one_sums_gradients(dist):
+    assert max(dist.run(2, _divide_factor_and_post_optim_event)) < 1e-6
+
+
+def _hsdp_requires_all_reduce_false():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = shard_model(build_reference(), fully_shard, mesh=mesh)
+    tokens = local_part(global_batches(1, 2, 4)[0])
+    model.set_requires_all_reduce(False)
+    with fsdp_compile.record_collectives() as skipped:
+        next_token_loss(model(tokens), tokens).backward()
+    no_grads = all(p.grad is None for p in model.parameters())
+    model.set_requires_all_reduce(True)
+    with fsdp_compile.record_collectives() as synced:
+        next_token_loss(model(tokens), tokens).backward()
+    kinds = lambda log: sorted({r.kind for r in log})
+    return kinds(skipped), no_grads, kinds(synced), all(p.grad is not None for p in model.parameters())
+
+
+def test_hsdp_defers_all_reduce_when_not_required(dist):
+    skipped, no_grads, synced, grads = dist.run(4, _hsdp_requires_all_reduce_false)[0]
+    assert skipped == ["all_gather", "reduce_scatter"] and no_grads
+    assert synced == ["all_gather", "all_reduce", "reduce_scatter"] and grads
+
+
+def _class_swap_and_api():
+    model = build_reference()
+    returned = fully_shard(model.layers[0])
+    return (
+        returned is model.layers[0],
+        isinstance(model.layers[0], FSDPModule),
+        isinstance(model.layers[0], type(build_reference().layers[0])),
+        type(model.layers[0]).__name__,
+    )
+
+
+def test_fully_shard_returns_module_with_fsdp_class(dist):
+    same, is_fsdp, still_block, name = dist.run(1, _class_swap_and_api)[0]
+    assert same and is_fsdp and still_block and name == "FSDPTransformerBlock"
+
+
+class _TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(self.norm(self.trunk(x)))
+
+
+def _list_of_modules_is_one_group():
+    torch.manual_seed(0)
+    reference = _TwoHeads()
+    model = sharded_copy(reference)
+    fully_shard([model.norm, model.head])
+    fully_shard(model)
+    x = torch.randn(4, 8)
+    with fsdp_compile.record_collectives() as log:
+        model(x).sum().backward()
+    reference(x).sum().backward()
+    # Every rank saw the same full batch, so the averaged gradient equals the single-process one.
+    grad_error = max(
+        (mine.grad.full_tensor() - theirs.grad).abs().max().item()
+        for mine, theirs in zip(model.parameters(), reference.parameters())
+    )
+    return [(r.kind, r.group) for r in log], grad_error
+
+
+def test_list_of_modules_shares_one_group(dist):
+    log, grad_error = dist.run(2, _list_of_modules_is_one_group)[0]
+    # [norm, head] are one group: gathered for forward, again for backward, reduced once.
+    assert log.count(("all_gather", "norm")) == 2
+    assert log.count(("reduce_scatter", "norm")) == 1
+    assert grad_error < 1e-6
