@@ -8,11 +8,27 @@ Example::
     fully_shard(model)
 """
 from fsdp_compile import config
-from fsdp_compile.api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from fsdp_compile.api import (
+    BackwardPrefetch,
+    CPUOffload,
+    CPUOffloadPolicy,
+    FullStateDictConfig,
+    LocalStateDictConfig,
+    MixedPrecision,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    ShardedStateDictConfig,
+    ShardingStrategy,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
+    fsdp1_kwargs,
+)
 from fsdp_compile.collectives import CollectiveRecord, record_collectives
 from fsdp_compile.module import FSDPModule, UnshardHandle, fully_shard
 from fsdp_compile.param_group import TrainingState
 from fsdp_compile.param import ShardedState
+from fsdp_compile.state_dict import get_state_dict_type, state_dict_type, unshard_params
 
 __all__ = [
     "fully_shard",
@@ -26,4 +42,41 @@ __all__ = [
     "record_collectives",
     "CollectiveRecord",
     "config",
+    "state_dict_type",
+    "get_state_dict_type",
+    "unshard_params",
+    "StateDictType",
+    "StateDictConfig",
+    "FullStateDictConfig",
+    "LocalStateDictConfig",
+    "ShardedStateDictConfig",
+    "StateDictSettings",
+    "ShardingStrategy",
+    "BackwardPrefetch",
+    "MixedPrecision",
+    "CPUOffload",
+    "fsdp1_kwargs",
 ]
+
+
+def _find_checkout_passes() -> None:
+    # passes/ lives beside fsdp_compile/ in a source checkout (DESIGN.md section 2); an install maps
+    # it to fsdp_compile.passes. Running from a checkout (PYTHONPATH=.) gets the same import name.
+    import importlib.util
+    import os
+    import sys
+
+    if "fsdp_compile.passes" in sys.modules or importlib.util.find_spec("fsdp_compile.passes") is not None:
+        return
+    passes_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "passes")
+    init_file = os.path.join(passes_dir, "__init__.py")
+    if os.path.isfile(init_file):
+        spec = importlib.util.spec_from_file_location("fsdp_compile.passes", init_file, submodule_search_locations=[passes_dir])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["fsdp_compile.passes"] = module
+        spec.loader.exec_module(module)
+
+
+_find_checkout_passes()
+
+from fsdp_compile import backend as _backend  # noqa: E402,F401  registers backend="fsdp_inductor"

@@ -2,10 +2,27 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum, auto
+from typing import Any
 
 import torch
 
-__all__ = ["MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy"]
+__all__ = [
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "CPUOffloadPolicy",
+    "ShardingStrategy",
+    "BackwardPrefetch",
+    "MixedPrecision",
+    "CPUOffload",
+    "fsdp1_kwargs",
+    "StateDictType",
+    "StateDictConfig",
+    "FullStateDictConfig",
+    "LocalStateDictConfig",
+    "ShardedStateDictConfig",
+    "StateDictSettings",
+]
 
 
 @dataclass(frozen=True)
@@ -46,3 +63,223 @@ class CPUOffloadPolicy(OffloadPolicy):
     """
 
     pin_memory: bool = True
+
+
+# --- FSDP1 names --------------------------------------------------------------------------------
+# [Note: FSDP1 names are mappings, not a second runtime]
+# FSDP1 configured one wrapper class with enums; here each enum value maps onto fully_shard
+# arguments (or an FSDPModule setter), so an FSDP1 user gets FSDP1's behaviour from the one
+# runtime. ``fsdp1_kwargs`` is the mapping; ``FSDPModule.set_backward_prefetch`` the one knob
+# that is not a fully_shard argument.
+
+
+class ShardingStrategy(Enum):
+    """FSDP1's sharding strategies, and the ``fully_shard`` arguments each becomes (``fsdp1_kwargs``).
+
+    - ``FULL_SHARD``: shard over all ranks, ``reshard_after_forward=True`` (parameters
+      all-gathered again in backward).
+    - ``SHARD_GRAD_OP``: shard over all ranks, ``reshard_after_forward=False`` (parameters stay
+      unsharded from forward until the end of their backward; ZeRO-2).
+    - ``NO_SHARD``: replicate (DDP): a 2-D mesh ``(world, 1)``, i.e. shard groups of one rank;
+      gradients are all-reduced across the replicas.
+    - ``HYBRID_SHARD``: a 2-D ``(replicate, shard)`` mesh, shard within a node and replicate across
+      nodes, ``reshard_after_forward=True``.
+    - ``_HYBRID_SHARD_ZERO2``: ``HYBRID_SHARD`` with ``reshard_after_forward=False``.
+    """
+
+    FULL_SHARD = auto()
+    SHARD_GRAD_OP = auto()
+    NO_SHARD = auto()
+    HYBRID_SHARD = auto()
+    _HYBRID_SHARD_ZERO2 = auto()
+
+
+class BackwardPrefetch(Enum):
+    """When a group's backward all-gathers the next group's parameters (``set_backward_prefetch``).
+
+    - ``BACKWARD_PRE`` (the default, FSDP2's behaviour): in the current group's pre-backward, before
+      its gradient computation; overlaps the next all-gather with that computation, holding two
+      groups' unsharded parameters at once.
+    - ``BACKWARD_POST``: in the current group's post-backward, right before its reduce-scatter; the
+      current gradient computation is not overlapped, peak memory is lower.
+    - ``None`` (pass ``None`` instead of a member): no backward prefetch; each group all-gathers
+      when its own backward starts (explicit ``set_modules_to_backward_prefetch`` lists included).
+    """
+
+    BACKWARD_PRE = auto()
+    BACKWARD_POST = auto()
+
+
+@dataclass
+class MixedPrecision:
+    """FSDP1's mixed-precision config; ``to_policy()`` gives the ``MixedPrecisionPolicy`` it maps to.
+
+    ``cast_forward_inputs`` or ``cast_root_forward_inputs`` map to
+    ``MixedPrecisionPolicy.cast_forward_inputs`` (every group casts its floating-point inputs to
+    ``param_dtype``; with one ``param_dtype`` for all groups that is what FSDP1's root cast did).
+    ``buffer_dtype`` and ``keep_low_precision_grads=True`` have no FSDP2 counterpart and are refused.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    buffer_dtype: torch.dtype | None = None
+    keep_low_precision_grads: bool = False
+    cast_forward_inputs: bool = False
+    cast_root_forward_inputs: bool = True
+
+    def to_policy(self) -> MixedPrecisionPolicy:
+        if self.buffer_dtype is not None:
+            raise ValueError(
+                "MixedPrecision(buffer_dtype=...) has no fully_shard counterpart: buffers are not managed. "
+                "Cast the buffers yourself (e.g. module.buffers()) and leave buffer_dtype=None."
+            )
+        if self.keep_low_precision_grads:
+            raise ValueError(
+                "MixedPrecision(keep_low_precision_grads=True) is not supported: gradients are reduced in "
+                "reduce_dtype and stored in the parameters' dtype. Use keep_low_precision_grads=False."
+            )
+        return MixedPrecisionPolicy(
+            param_dtype=self.param_dtype,
+            reduce_dtype=self.reduce_dtype,
+            cast_forward_inputs=self.cast_forward_inputs or self.cast_root_forward_inputs,
+        )
+
+
+@dataclass
+class CPUOffload:
+    """FSDP1's CPU offload: ``offload_params=True`` maps to ``CPUOffloadPolicy()`` (parameters and
+    gradients on CPU, optimizer step on CPU), ``False`` to ``OffloadPolicy()``."""
+
+    offload_params: bool = False
+
+    def to_policy(self) -> OffloadPolicy:
+        return CPUOffloadPolicy() if self.offload_params else OffloadPolicy()
+
+
+def fsdp1_kwargs(
+    sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD,
+    *,
+    mixed_precision: MixedPrecision | None = None,
+    cpu_offload: CPUOffload | None = None,
+    device_mesh: Any = None,
+) -> dict[str, Any]:
+    """The ``fully_shard`` keyword arguments that reproduce an FSDP1 configuration.
+
+    ``device_mesh``: for ``FULL_SHARD``/``SHARD_GRAD_OP`` a 1-D mesh (default: all ranks); for the
+    hybrid strategies a 2-D ``(replicate, shard)`` mesh (default: shard over the ranks of one node,
+    ``LOCAL_WORLD_SIZE`` or the CUDA device count); ``NO_SHARD`` builds ``(world, 1)`` itself.
+
+    Example::
+
+        kwargs = fsdp1_kwargs(ShardingStrategy.SHARD_GRAD_OP,
+                              mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
+        for block in model.layers:
+            fully_shard(block, **kwargs)
+        fully_shard(model, **kwargs)
+        model.set_backward_prefetch(BackwardPrefetch.BACKWARD_POST)
+    """
+    from fsdp_compile.mesh import default_mesh
+
+    kwargs: dict[str, Any] = {}
+    if sharding_strategy == ShardingStrategy.NO_SHARD:
+        kwargs["mesh"] = device_mesh if device_mesh is not None else _replicate_mesh()
+        kwargs["reshard_after_forward"] = False  # one-rank shards: re-gathering would only copy
+    elif sharding_strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
+        kwargs["mesh"] = device_mesh if device_mesh is not None else _hybrid_mesh()
+        if kwargs["mesh"].ndim != 2:
+            raise ValueError(f"{sharding_strategy.name} needs a 2-D (replicate, shard) device_mesh, got {kwargs['mesh'].ndim}-D")
+        kwargs["reshard_after_forward"] = sharding_strategy == ShardingStrategy.HYBRID_SHARD
+    elif sharding_strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
+        kwargs["mesh"] = device_mesh if device_mesh is not None else default_mesh()
+        kwargs["reshard_after_forward"] = sharding_strategy == ShardingStrategy.FULL_SHARD
+    else:
+        raise ValueError(f"unknown sharding_strategy {sharding_strategy!r}; pass a ShardingStrategy member")
+    if mixed_precision is not None:
+        kwargs["mp_policy"] = mixed_precision.to_policy()
+    if cpu_offload is not None:
+        kwargs["offload_policy"] = cpu_offload.to_policy()
+    return kwargs
+
+
+_fsdp1_meshes: dict[tuple[str, int, int], Any] = {}
+
+
+def _fsdp1_mesh_of_shape(replicate: int, shard: int) -> Any:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device_type = "cuda" if "nccl" in str(dist.get_backend()) and torch.cuda.is_available() else "cpu"
+    key = (device_type, replicate, shard)
+    if key not in _fsdp1_meshes:  # creating a mesh is collective: once per shape, on every rank
+        _fsdp1_meshes[key] = init_device_mesh(device_type, (replicate, shard), mesh_dim_names=("replicate", "shard"))
+    return _fsdp1_meshes[key]
+
+
+def _replicate_mesh() -> Any:
+    import torch.distributed as dist
+
+    return _fsdp1_mesh_of_shape(dist.get_world_size(), 1)
+
+
+def _hybrid_mesh() -> Any:
+    import os
+
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    if per_node < 1 or world % per_node != 0:
+        raise ValueError(
+            "HYBRID_SHARD shards within a node and replicates across nodes, but the ranks per node are unknown "
+            f"(LOCAL_WORLD_SIZE={os.environ.get('LOCAL_WORLD_SIZE')!r}, world size {world}). Pass "
+            "device_mesh=init_device_mesh(device, (num_nodes, ranks_per_node)) to fsdp1_kwargs."
+        )
+    return _fsdp1_mesh_of_shape(world // per_node, per_node)
+
+
+class StateDictType(Enum):
+    """Which state dict ``module.state_dict()`` returns and ``load_state_dict`` takes (see
+    ``fsdp_compile.state_dict_type``).
+
+    - ``SHARDED_STATE_DICT`` (the default, FSDP2's): ``DTensor`` values under the original names;
+      what ``torch.distributed.checkpoint`` saves and loads at any world size.
+    - ``FULL_STATE_DICT``: plain full tensors (all-gathered); see :class:`FullStateDictConfig`.
+    - ``LOCAL_STATE_DICT``: this rank's padded shard of each parameter as a plain tensor of shape
+      ``(ceil(dim0 / shard_world_size), *shape[1:])``; loadable only at the same world size.
+    """
+
+    FULL_STATE_DICT = auto()
+    LOCAL_STATE_DICT = auto()
+    SHARDED_STATE_DICT = auto()
+
+
+@dataclass
+class StateDictConfig:
+    """Base of the state-dict configs. ``offload_to_cpu``: return the values as CPU tensors."""
+
+    offload_to_cpu: bool = False
+
+
+@dataclass
+class FullStateDictConfig(StateDictConfig):
+    """``rank0_only``: saving, only rank 0 gets the values (the other ranks an empty dict, they
+    still take part in the all-gathers); loading, only rank 0's dict is read and broadcast.
+    ``rank0_only=True, offload_to_cpu=True`` is the memory-friendly way to write one file."""
+
+    rank0_only: bool = False
+
+
+@dataclass
+class LocalStateDictConfig(StateDictConfig):
+    pass
+
+
+@dataclass
+class ShardedStateDictConfig(StateDictConfig):
+    pass
+
+
+@dataclass(frozen=True)
+class StateDictSettings:
+    state_dict_type: StateDictType
+    state_dict_config: StateDictConfig

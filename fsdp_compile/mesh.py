@@ -46,7 +46,8 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
     return torch.device(mesh.device_type)
 
 
-_default_meshes: dict[str, DeviceMesh] = {}
+# Keyed by the default group too: a re-initialized process group needs new meshes.
+_default_meshes: dict[tuple[str, int], DeviceMesh] = {}
 
 
 def default_mesh() -> DeviceMesh:
@@ -58,9 +59,10 @@ def default_mesh() -> DeviceMesh:
         )
     backend = str(dist.get_backend())
     device_type = "cuda" if "nccl" in backend and torch.cuda.is_available() else "cpu"
-    if device_type not in _default_meshes:
-        _default_meshes[device_type] = init_device_mesh(device_type, (dist.get_world_size(),))
-    return _default_meshes[device_type]
+    key = (device_type, id(dist.group.WORLD))
+    if key not in _default_meshes:
+        _default_meshes[key] = init_device_mesh(device_type, (dist.get_world_size(),))
+    return _default_meshes[key]
 
 
 def mesh_info_for(mesh: DeviceMesh) -> MeshInfo:
@@ -93,7 +95,7 @@ def post_forward_mesh_info_for(info: MeshInfo, post_forward_size: int) -> PostFo
     """
     mesh_ranks = info.mesh.mesh.reshape(-1, info.shard_size)  # one row per shard group
     blocks = [row[start : start + post_forward_size].tolist() for row in mesh_ranks for start in range(0, info.shard_size, post_forward_size)]
-    key = tuple(rank for block in blocks for rank in block) + (post_forward_size,)
+    key = (id(dist.group.WORLD), post_forward_size) + tuple(rank for block in blocks for rank in block)
     if key not in _post_forward_groups:
         my_group, _ = dist.new_subgroups_by_enumeration(blocks)
         my_block = next(block for block in blocks if dist.get_rank() in block)

@@ -7,11 +7,13 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdp_compile.api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from fsdp_compile.api import BackwardPrefetch, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from fsdp_compile.mesh import MeshInfo, default_mesh, mesh_device, mesh_info_for, post_forward_mesh_info_for
 from fsdp_compile.param import FSDPParam, ParamRef
 from fsdp_compile.param_group import FSDPParamGroup
-from fsdp_compile.state import FSDPState, state_of
+from fsdp_compile.state import FSDPState, all_states_under, state_of
+from fsdp_compile.state_dict import register_state_dict_hooks
+from fsdp_compile.traceable import install_traced_param_access
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle"]
 
@@ -92,10 +94,13 @@ class FSDPModule:
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
         """Change whether parameters are freed after forward (re-all-gathered in backward)."""
-        for group in self._groups(recurse):
-            group.reshard_after_forward = reshard_after_forward
-            if not reshard_after_forward:
-                group.post_forward_mesh_info = None
+        for state in self._fsdp_state().states_under(recurse):
+            if state.group is not None:
+                state.group.reshard_after_forward = reshard_after_forward
+                if not reshard_after_forward:
+                    state.group.post_forward_mesh_info = None
+                state.auto_reshard_after_forward = False
+                state.refresh_trace_info()
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """``False`` keeps parameters unsharded after backward (e.g. between accumulation microbatches)."""
@@ -110,6 +115,17 @@ class FSDPModule:
         """All-gather these modules' parameters when this module's backward starts (replaces implicit prefetch)."""
         self._fsdp_state().backward_prefetch = [_state_of_fsdp_module(m, "set_modules_to_backward_prefetch") for m in modules]
 
+    def set_backward_prefetch(self, mode: BackwardPrefetch | None, *, recurse: bool = True) -> None:
+        """FSDP1's ``backward_prefetch``: where backward issues the next group's all-gather.
+
+        ``BackwardPrefetch.BACKWARD_PRE`` (default) in pre-backward, ``BACKWARD_POST`` in
+        post-backward right before this group's reduce-scatter, ``None`` never (see ``BackwardPrefetch``).
+        """
+        if mode is not None and not isinstance(mode, BackwardPrefetch):
+            raise ValueError(f"set_backward_prefetch takes a BackwardPrefetch member or None, got {mode!r}")
+        for state in self._fsdp_state().states_under(recurse):
+            state.backward_prefetch_mode = mode
+
     def set_post_optim_event(self, event: torch.Event) -> None:
         """The next all-gathers wait for ``event`` (recorded after ``optimizer.step()``) instead of the whole stream."""
         for group in self._groups(recurse=True):
@@ -117,8 +133,10 @@ class FSDPModule:
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide summed gradients by ``factor`` instead of the data-parallel world size."""
-        for group in self._groups(recurse=True):
-            group.gradient_divide_factor = factor
+        for state in self._fsdp_state().states_under(recurse=True):
+            if state.group is not None:
+                state.group.gradient_divide_factor = factor
+                state.refresh_trace_info()
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # module.to(...) / to_empty(...) replace the local shards; parameters must be sharded for that.
@@ -129,6 +147,8 @@ class FSDPModule:
         for group in groups:
             for fsdp_param in group.fsdp_params:
                 fsdp_param.reset_after_module_apply()
+        for state in self._fsdp_state().states_under(recurse=True):
+            state.refresh_trace_info()  # dtypes may have changed
         return result
 
 
@@ -224,13 +244,32 @@ def fully_shard(
             fsdp_params, modules, label, info, post_forward_info, device,
             reshard_after_forward=reshard_after_forward is not False, output_dtype=mp_policy.output_dtype,
         )
-    FSDPState(modules, group, mp_policy, device, auto_reshard_after_forward=reshard_after_forward is None)
+    state = FSDPState(modules, group, mp_policy, device, auto_reshard_after_forward=reshard_after_forward is None)
+    register_state_dict_hooks(state)
+    for fsdp_param in fsdp_params:
+        for ref in fsdp_param.refs:
+            install_traced_param_access(ref.module, ref.name, fsdp_param)
+    states = all_states_under(modules)
+    for inner in states:
+        inner.has_parent = inner is not state
+    _label_groups(modules)
+    for inner in states:
+        inner.refresh_trace_info()
     for m in modules:
         cls = type(m)
         if cls not in _fsdp_classes:
             _fsdp_classes[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
         m.__class__ = _fsdp_classes[cls]
     return module
+
+
+def _label_groups(modules: tuple[nn.Module, ...]) -> None:
+    """Name groups by their path from the outermost fully_shard module ("layers.3"), for logs and errors."""
+    for root in modules:
+        for name, module in root.named_modules():
+            state = state_of(module)
+            if name and state is not None and state.group is not None and state.group.modules[0] is module:
+                state.group.label = name
 
 
 def _check_reshard_after_forward(value: bool | int | None, info: MeshInfo, label: str) -> int:

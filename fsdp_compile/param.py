@@ -10,6 +10,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_compile.mesh import MeshInfo, PostForwardMeshInfo
+from fsdp_compile.traceable import TraceInfo
 
 __all__ = ["ShardedState", "ParamRef", "FSDPParam", "shard_rows"]
 
@@ -88,6 +89,8 @@ class FSDPParam:
         # Gradient kept unsharded across no-sync steps (set_requires_gradient_sync(False)).
         self.unsharded_accumulated_grad: torch.Tensor | None = None
         self.sharded_state = ShardedState.SHARDED
+        # What a read of this parameter traces to under torch.compile (set by its group).
+        self.trace_info: TraceInfo | None = None
         for ref in refs:
             _set_on_module(ref, self.sharded_param)
 
@@ -235,7 +238,11 @@ class FSDPParam:
         """The local tensor the reduced gradient goes into, and whether a gradient already exists."""
         grad = self.sharded_param.grad
         if grad is None:
-            local = torch.empty(self.local_shard().shape, dtype=self.orig_dtype, device=self.device)
+            # CPU offload: the new gradient lives on CPU from the start (pinned when asked), so the
+            # reduced shard is copied into it once instead of allocated on the device and moved.
+            local = torch.empty(self.local_shard().shape, dtype=self.orig_dtype, device=self.shard_device)
+            if self.offload_to_cpu and self.pin_memory and torch.cuda.is_available():
+                local = local.pin_memory()
             return local, False
         return grad._local_tensor, True
 

@@ -11,7 +11,8 @@ from fsdp_compile.collectives import PendingAllGather, PendingReduceScatter
 from fsdp_compile.device import DeviceHandle
 from fsdp_compile.kernels import ops
 from fsdp_compile.mesh import MeshInfo, PostForwardMeshInfo
-from fsdp_compile.param import FSDPParam, ShardedState
+from fsdp_compile.param import FSDPParam, ShardedState, shard_rows
+from fsdp_compile.traceable import TraceInfo
 
 __all__ = ["TrainingState", "FSDPParamGroup"]
 
@@ -72,6 +73,28 @@ class FSDPParamGroup:
         # Set by the root state: where in-flight reductions are queued (shared by all groups).
         self.pending_reductions: list[_PendingReduction] = []
         self.ran_post_backward = False
+
+    def refresh_trace_info(self, reshard_after_forward: bool) -> None:
+        """Recompute what each parameter read traces to; Dynamo guards on it, so changes recompile."""
+        info = self.mesh_info
+        pre_divide, post_divide = collectives.gradient_divide_factors(info.data_parallel_size, self.gradient_divide_factor)
+        for fsdp_param in self.fsdp_params:
+            fsdp_param.trace_info = TraceInfo(
+                fqn=fsdp_param.fqn,
+                group=self.label,
+                dim0=fsdp_param.orig_size[0],
+                padded_rows=shard_rows(fsdp_param.orig_size[0], info.shard_size, 0)[0],
+                world_size=info.shard_size,
+                group_name=info.shard_group.group_name,
+                param_dtype=fsdp_param.param_dtype,
+                reduce_dtype=fsdp_param.reduce_dtype,
+                orig_dtype=fsdp_param.orig_dtype,
+                pre_divide=pre_divide,
+                post_divide=post_divide,
+                replicate_size=info.replicate_size,
+                replicate_group_name=None if info.replicate_group is None else info.replicate_group.group_name,
+                reshard_after_forward=reshard_after_forward,
+            )
 
     # --- dtypes -----------------------------------------------------------------------------
     @property
@@ -220,7 +243,9 @@ class FSDPParamGroup:
             outs = tuple(out if had else out.zero_() for out, had in zip(outs, had_grad))
         on_device = tuple(out if out.device == self.device else torch.empty_like(out, device=self.device) for out in outs)
         with torch.no_grad():
-            ops.reduce_scatter_copy_out(reduced, padded, list(on_device), post_divide, accumulate and on_device == outs)
+            # Identity, not ``==``: a tuple compare would fall back to elementwise tensor equality.
+            all_on_device = all(device_out is out for device_out, out in zip(on_device, outs))
+            ops.reduce_scatter_copy_out(reduced, padded, list(on_device), post_divide, accumulate and all_on_device)
             for fsdp_param, out, device_out in zip(params, outs, on_device):
                 if device_out is not out:  # CPU offload: the device result goes back to the CPU gradient
                     out.add_(device_out.to(out.device)) if accumulate else out.copy_(device_out)

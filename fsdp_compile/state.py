@@ -19,7 +19,8 @@ import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from fsdp_compile.api import MixedPrecisionPolicy
+from fsdp_compile import config
+from fsdp_compile.api import BackwardPrefetch, MixedPrecisionPolicy
 from fsdp_compile.param_group import FSDPParamGroup, TrainingState
 
 __all__ = ["FSDPState", "state_of", "all_states_under"]
@@ -100,22 +101,38 @@ class FSDPState:
         self.device = device
         self.auto_reshard_after_forward = auto_reshard_after_forward
         self.is_root: bool | None = None  # decided at lazy init
+        # Another fully_shard call was applied to an ancestor: not the root. Known without running
+        # forward, which the compiled path needs (it never runs the eager lazy init).
+        self.has_parent = False
         self.root_ctx: _RootContext | None = None
         self.training_state = TrainingState.IDLE
         self.forward_prefetch: list[FSDPState] | None = None
         self.backward_prefetch: list[FSDPState] | None = None
+        # Where backward prefetches are issued; see BackwardPrefetch (None: never).
+        self.backward_prefetch_mode: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE
         self._modules_to_run_forward: set[int] = set()
         self._post_forward_indices: list[int] = []
         # Post-backward triggers attached this step but not yet fired: a group used by several
         # modules or forward calls reduces once, after the last of them (no repeated collectives).
         self._unfired_post_backward_triggers = 0
         self.is_last_backward = True  # read on the root only (set_is_last_backward)
+        # skip_fsdp_hooks: under Dynamo the hooks run eagerly, each call a graph break.
+        self._eager_pre_forward_hook = torch._dynamo.disable(self._pre_forward, recursive=True)
+        self._eager_post_forward_hook = torch._dynamo.disable(self._post_forward, recursive=True)
         self._hook_handles = []
         for module in modules:
             module.__dict__[_STATE_ATTR] = self
             self._hook_handles.append(module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True))
             self._hook_handles.append(module.register_forward_hook(self._post_forward_hook, prepend=False))
         _live_states.add(self)
+
+    def refresh_trace_info(self) -> None:
+        if self.group is None:
+            return
+        reshard = self.group.reshard_after_forward
+        if self.auto_reshard_after_forward:
+            reshard = self.has_parent  # the root keeps its parameters, as in eager
+        self.group.refresh_trace_info(reshard)
 
     @property
     def label(self) -> str:
@@ -139,12 +156,6 @@ class FSDPState:
                     f"through '{self.label}' first, before any of its submodules"
                 )
         ctx = _RootContext(self, states)
-        for root_module in self.modules:
-            for name, module in root_module.named_modules():
-                state = state_of(module)
-                if state is not None and state.group is not None and state.group.modules[0] is module:
-                    # Names from the root make collective logs and errors readable ("layers.3").
-                    state.group.label = name or state.group.label
         for state in states:
             state.is_root = state is self
             state.root_ctx = ctx
@@ -164,6 +175,25 @@ class FSDPState:
 
     # --- forward --------------------------------------------------------------------------------
     def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if torch.compiler.is_compiling():
+            # See [Note: parameter reads under torch.compile] in traceable.py.
+            if config.skip_fsdp_hooks:
+                return self._eager_pre_forward_hook(module, args, kwargs)
+            return self._cast_forward_inputs(args, kwargs)
+        return self._pre_forward(module, args, kwargs)
+
+    def _cast_forward_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
+            return _cast_floats((args, kwargs), self.mp_policy.param_dtype)
+        return args, kwargs
+
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if config.skip_fsdp_hooks and torch._dynamo.config.compiled_autograd:
+            raise RuntimeError(
+                f"fsdp_compile: '{self.label}' runs its FSDP hooks eagerly (config.skip_fsdp_hooks=True), and compiled "
+                "autograd cannot trace their backward part (end-of-backward callback, reduce-scatter bookkeeping). "
+                "Use torch.compile(model, backend='fsdp_inductor') with compiled autograd, or turn one of the two off."
+            )
         if self.training_state == TrainingState.PRE_BACKWARD:
             # Activation-checkpoint recompute inside backward: parameters are already unsharded.
             return args, kwargs
@@ -175,8 +205,7 @@ class FSDPState:
             self._root_pre_forward()
             args, kwargs = tree_map(lambda x: x.to(self.device) if isinstance(x, torch.Tensor) and x.device != self.device else x, (args, kwargs))
         self.training_state = TrainingState.FORWARD
-        if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
-            args, kwargs = _cast_floats((args, kwargs), self.mp_policy.param_dtype)
+        args, kwargs = self._cast_forward_inputs(args, kwargs)
         group = self.group
         if group is not None:
             if not self._modules_to_run_forward:
@@ -214,6 +243,18 @@ class FSDPState:
                 target.unshard("forward-prefetch")
 
     def _post_forward_hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if torch.compiler.is_compiling():
+            if config.skip_fsdp_hooks:
+                return self._eager_post_forward_hook(module, args, output)
+            return self._cast_output(output)
+        return self._post_forward(module, args, output)
+
+    def _cast_output(self, output: Any) -> Any:
+        if self.mp_policy.output_dtype is not None:
+            return _cast_floats(output, self.mp_policy.output_dtype)
+        return output
+
+    def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if self.training_state == TrainingState.PRE_BACKWARD:
             return output
         ctx = self.root_ctx
@@ -227,8 +268,7 @@ class FSDPState:
                 ctx.post_forward_order.append(group)
         if torch.is_grad_enabled():
             self._hook_pre_backward_to_outputs(output)
-        if self.mp_policy.output_dtype is not None:
-            output = _cast_floats(output, self.mp_policy.output_dtype)
+        output = self._cast_output(output)
         self.training_state = TrainingState.IDLE
         if self.is_root:
             self._root_post_forward(ctx)
@@ -258,6 +298,15 @@ class FSDPState:
             register_multi_grad_hook(tensors, lambda grads: self._pre_backward(), mode="any")
 
     def _pre_backward(self) -> None:
+        if torch.compiler.is_compiling():
+            # Compiled autograd traces this hook; our end-of-backward callback and reduction
+            # bookkeeping cannot be traced, and skipping them would leave gradients unreduced.
+            raise RuntimeError(
+                f"fsdp_compile: compiled autograd reached the eager FSDP backward hooks of '{self.label}' "
+                "(eager model or fsdp_compile.config.skip_fsdp_hooks=True), which it cannot trace. Compile the "
+                "model with torch.compile(model, backend='fsdp_inductor') so the reduce-scatters are part of the "
+                "graph, or set torch._dynamo.config.compiled_autograd = False."
+            )
         ctx = self.root_ctx
         assert ctx is not None
         if not ctx.final_callback_queued:
@@ -268,7 +317,8 @@ class FSDPState:
         if group is None:
             return
         group.pre_backward()
-        self._prefetch_backward(ctx)
+        if self.backward_prefetch_mode == BackwardPrefetch.BACKWARD_PRE:
+            self._prefetch_backward(ctx)
         group.wait_for_unshard()
 
     def _prefetch_backward(self, ctx: _RootContext) -> None:
@@ -288,6 +338,10 @@ class FSDPState:
         if self._unfired_post_backward_triggers > 0:
             return
         if self.group is not None and self.group.training_state == TrainingState.PRE_BACKWARD:
+            if self.backward_prefetch_mode == BackwardPrefetch.BACKWARD_POST:
+                # The next all-gather goes out before this group's reduce-scatter (FSDP1's BACKWARD_POST).
+                assert self.root_ctx is not None
+                self._prefetch_backward(self.root_ctx)
             self.group.post_backward()
 
     def _end_of_backward(self) -> None:

@@ -1,0 +1,146 @@
+"""What one benchmark run does: the model, the data, the modes and where results go.
+
+``BenchConfig`` is frozen and picklable: it travels unchanged to every spawned rank.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+
+from fsdp_compile.models import TransformerConfig
+
+__all__ = ["MODES", "BenchConfig", "parse_args"]
+
+# Table order. torch-eager is the baseline of the speed ratio; ours-eager of the loss agreement.
+MODES = ("ours-eager", "ours-compiled", "ours-fallback", "torch-eager", "torch-blockcompile")
+BASELINE_SPEED = "torch-eager"
+BASELINE_LOSS = "ours-eager"
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    # Defaults finish in about 3 minutes on 2 CPU cores (2 gloo ranks), compile time included.
+    modes: tuple[str, ...] = MODES
+    world_size: int = 2
+    device: str = "auto"
+    dim: int = 256
+    layers: int = 2
+    heads: int = 4
+    vocab: int = 2048
+    seq: int = 256
+    batch: int = 4
+    untied: bool = False
+    bf16: bool = False
+    steps: int = 15
+    warmup: int = 2
+    seed: int = 0
+    lr: float = 1e-3
+    warm_compile: bool = True
+    fresh_inductor_cache: bool = True
+    out_dir: str = "bench_out"
+    results_md: str | None = None
+    command: str = ""
+
+    def model_config(self) -> TransformerConfig:
+        return TransformerConfig(
+            vocab_size=self.vocab, dim=self.dim, n_layers=self.layers, n_heads=self.heads,
+            max_seq_len=self.seq, tie_embeddings=not self.untied,
+        )
+
+    @property
+    def total_steps(self) -> int:
+        return self.warmup + self.steps
+
+
+_EPILOG = """\
+modes (all run in one process per rank, interleaved step by step: A B C A B C ...):
+  ours-eager          fsdp_compile.fully_shard per block + root, eager
+  ours-compiled       the same, then torch.compile(model, backend="fsdp_inductor")
+  ours-fallback       the same, fsdp_compile.config.skip_fsdp_hooks = True around each step,
+                      torch.compile(model, backend="inductor")
+  torch-eager         torch.distributed.fsdp.fully_shard per block + root, eager
+  torch-blockcompile  torch.compile(block, fullgraph=True) per block, then PyTorch's
+                      fully_shard per block + root (torchtitan's default)
+A mode that fails to build or to run its first step is reported as "unavailable: <reason>";
+the others still run. Before any mode, a trivial torch.compile pays Inductor's one-time
+start-up, so no compiled mode is charged for it (its time is in the JSON and results.md).
+
+columns:
+  step ms             median step time (forward, backward, optimizer) over the measured steps,
+                      slowest rank per step; (p10-p90) is the spread
+  tokens/s            global tokens per step / median step time
+  vs torch-eager      torch-eager's median / this mode's median (>1: faster)
+  peak MiB            CPU: peak RSS of the rank process during one extra profiled step, sampled
+                      every ms from /proc/self/statm (all modes' models are resident);
+                      CUDA: torch.cuda.max_memory_allocated over that step. Max over ranks.
+  step +MiB           that peak minus the value just before the step: the mode's own transient
+                      memory (activations, unsharded parameters, gradients, buffers)
+  saved MiB           bytes of distinct tensors saved for backward in one forward, counted with
+                      torch.autograd.graph.saved_tensors_hooks (compiled modes: what the
+                      compiled autograd.Function saves)
+  coll/step           collectives dispatched to the process group in one step (torch profiler's
+                      c10d:: events), as all-gather / reduce-scatter / all-reduce
+  compile cold s      sum over the warm-up steps of (step time - median), fresh Inductor cache
+  compile warm s      the same for a second model after torch._dynamo.reset() (caches warm)
+  loss rel diff       max over all steps of |loss - loss(ours-eager)| / |loss(ours-eager)|
+
+examples:
+  python -m benchmarks                                   # defaults, 2 gloo ranks on CPU
+  python -m benchmarks --modes ours-eager,torch-eager --steps 30
+  torchrun --nproc-per-node 8 -m benchmarks --dim 2048 --layers 16 --bf16
+"""
+
+
+def _modes(text: str) -> tuple[str, ...]:
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    unknown = [name for name in names if name not in MODES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown mode(s) {unknown}; choose from {', '.join(MODES)}")
+    return names
+
+
+def parse_args(argv: list[str] | None = None) -> BenchConfig:
+    """Flags -> BenchConfig. Example: ``parse_args(["--steps", "2", "--dim", "64"])``."""
+    d = BenchConfig()
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description="Train a Llama-style decoder with every FSDP mode in one run and compare step time,\n"
+        "memory, collectives, compile time and loss. Without torchrun it spawns --world-size ranks\n"
+        "(CUDA + NCCL when GPUs are present, else CPU + gloo); under torchrun it uses the launcher's ranks.\n"
+        "Output: a Markdown table on stdout; results.md, results.json, results.png in --out-dir.",
+        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add = parser.add_argument
+    add("--modes", type=_modes, default=d.modes, help=f"comma-separated modes to run (default: all: {','.join(MODES)})")
+    add("--world-size", type=int, default=d.world_size, help=f"ranks to spawn when not started by torchrun (default {d.world_size})")
+    add("--device", choices=["auto", "cpu", "cuda"], default=d.device, help="auto: CUDA + NCCL if available, else CPU + gloo")
+    add("--dim", type=int, default=d.dim, help=f"model width (default {d.dim})")
+    add("--layers", type=int, default=d.layers, help=f"transformer blocks (default {d.layers})")
+    add("--heads", type=int, default=d.heads, help=f"attention heads (default {d.heads})")
+    add("--vocab", type=int, default=d.vocab, help=f"vocabulary size (default {d.vocab})")
+    add("--seq", type=int, default=d.seq, help=f"sequence length (default {d.seq})")
+    add("--batch", type=int, default=d.batch, help=f"sequences per rank per step (default {d.batch})")
+    add("--untied", action="store_true", help="separate output head (default: head tied to the embedding)")
+    add("--bf16", action="store_true", help="bf16 parameters for compute, fp32 gradient reduction (MixedPrecisionPolicy)")
+    add("--steps", type=int, default=d.steps, help=f"measured steps per mode (default {d.steps})")
+    add("--warmup", type=int, default=d.warmup, help=f"warm-up steps per mode, excluded from the figures; they hold compilation (default {d.warmup})")
+    add("--seed", type=int, default=d.seed, help=f"seed of the initial weights and the data, the same for every mode (default {d.seed})")
+    add("--lr", type=float, default=d.lr, help=f"AdamW learning rate (default {d.lr})")
+    add("--no-warm-compile", dest="warm_compile", action="store_false",
+        help="skip rebuilding each compiled mode after torch._dynamo.reset() to time a warm compile")
+    add("--reuse-inductor-cache", dest="fresh_inductor_cache", action="store_false",
+        help="use Inductor's usual on-disk cache instead of a fresh one per rank (cold compile is then not cold)")
+    add("--out-dir", default=d.out_dir, help=f"where results.md, results.json and results.png go (default {d.out_dir}/)")
+    add("--results-md", default=None, metavar="PATH",
+        help="also write this run's section (command, versions, date, table) into PATH, e.g. benchmarks/RESULTS.md; "
+        "a section of the same machine kind is replaced, others are kept")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.warmup < 1:
+        parser.error("--steps and --warmup must be at least 1 (warm-up holds compilation and lazy init)")
+    if args.dim % args.heads or (args.dim // args.heads) % 2:
+        parser.error(f"--dim {args.dim} must split into --heads {args.heads} heads of even size (rotary embedding)")
+    launcher = "torchrun ... -m benchmarks" if "TORCHELASTIC_RUN_ID" in os.environ else "python -m benchmarks"
+    command = launcher + "".join(f" {a}" for a in (sys.argv[1:] if argv is None else argv))
+    return BenchConfig(command=command, **{k: v for k, v in vars(args).items()})

@@ -1,0 +1,97 @@
+"""The five ways to train the same model: ours (eager, compiled, fallback) and PyTorch FSDP2's (eager, per-block compile).
+
+Every builder starts from the same seed, so every mode holds the same initial weights.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable, ContextManager
+
+import torch
+import torch.nn as nn
+
+import fsdp_compile
+from fsdp_compile.models import Transformer, TransformerConfig
+
+__all__ = ["Mode", "build_mode", "COMPILED"]
+
+COMPILED = frozenset({"ours-compiled", "ours-fallback", "torch-blockcompile"})
+
+
+@dataclass
+class Mode:
+    name: str
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    # Entered around every step of this mode only, so a global switch never leaks into the others.
+    step_context: Callable[[], ContextManager] = field(default=contextlib.nullcontext)
+
+    @property
+    def ours(self) -> bool:
+        return self.name.startswith("ours-")
+
+
+def _ours_policy(bf16: bool):
+    if bf16:
+        return fsdp_compile.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return fsdp_compile.MixedPrecisionPolicy()
+
+
+def _torch_policy(bf16: bool):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if bf16:
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def _shard(model: Transformer, fully_shard, policy) -> Transformer:
+    for block in model.layers:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model
+
+
+@contextlib.contextmanager
+def _skip_fsdp_hooks():
+    previous = fsdp_compile.config.skip_fsdp_hooks
+    fsdp_compile.config.skip_fsdp_hooks = True
+    try:
+        yield
+    finally:
+        fsdp_compile.config.skip_fsdp_hooks = previous
+
+
+def build_mode(name: str, config: TransformerConfig, device: torch.device, seed: int, lr: float, bf16: bool) -> Mode:
+    """One mode's model (same initial weights for every mode) and its AdamW.
+
+    Example::
+
+        mode = build_mode("torch-eager", TransformerConfig(), torch.device("cpu"), seed=0, lr=1e-3, bf16=False)
+    """
+    torch.manual_seed(seed)
+    model = Transformer(config).to(device)  # initialized on CPU: the same weights on every device kind
+    step_context: Callable[[], ContextManager] = contextlib.nullcontext
+    runnable: nn.Module = model
+    if name.startswith("ours-"):
+        _shard(model, fsdp_compile.fully_shard, _ours_policy(bf16))
+        if name == "ours-compiled":
+            runnable = torch.compile(model, backend="fsdp_inductor")
+        elif name == "ours-fallback":
+            # The FSDP hooks run eagerly between compiled regions; the flag is on only during this mode's steps.
+            step_context = _skip_fsdp_hooks
+            runnable = torch.compile(model, backend="inductor")
+    elif name in ("torch-eager", "torch-blockcompile"):
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+        if name == "torch-blockcompile":
+            # torchtitan's apply_compile: compile each block (fullgraph) before fully_shard, so FSDP2's
+            # hooks sit on the compiled module and run eagerly around each block's graph.
+            for index, block in model.layers.named_children():
+                model.layers.register_module(index, torch.compile(block, fullgraph=True))
+        _shard(model, torch_fully_shard, _torch_policy(bf16))
+    else:
+        raise ValueError(f"unknown mode {name!r}")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    return Mode(name, runnable, optimizer, step_context)

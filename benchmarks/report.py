@@ -1,0 +1,295 @@
+"""Raw per-step numbers -> figures per mode -> a Markdown table (stdout), JSON and a PNG in --out-dir.
+
+Every figure is computed here from what run.py measured; nothing is typed in by hand.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import re
+import subprocess
+import sys
+
+import torch
+
+from benchmarks.config import BASELINE_LOSS, BASELINE_SPEED, BenchConfig
+from benchmarks.modes import COMPILED
+
+__all__ = ["summarize", "markdown_table", "publish"]
+
+MIB = 2**20
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q
+    low, high = math.floor(position), math.ceil(position)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def _mib_max_over_ranks(probes: list[dict], key: str) -> float | None:
+    values = [p[key] for p in probes if p.get(key) is not None]
+    return max(values) / MIB if values else None
+
+
+def summarize(cfg: BenchConfig, results: dict, world: int) -> dict[str, dict]:
+    """Figures per mode, in table order; raw series included so the JSON can be re-analysed."""
+    tokens_per_step = cfg.batch * cfg.seq * world
+    summary: dict[str, dict] = {}
+    for name in cfg.modes:
+        reason = results["status"][name]
+        per_step = [max(ranks) for ranks in results["times"][name]]  # the slowest rank sets the pace
+        figures: dict = {
+            "status": "ok" if reason is None else f"unavailable: {reason}",
+            "losses": results["losses"][name],
+            "warmup_times_s": per_step[: cfg.warmup],
+            "step_times_s": per_step[cfg.warmup :],
+            "step_times_per_rank_s": results["times"][name][cfg.warmup :],
+        }
+        summary[name] = figures
+        if reason is not None:
+            continue
+        measured = figures["step_times_s"]
+        median = _percentile(measured, 0.5)
+        figures.update(
+            step_ms_median=median * 1e3, step_ms_p10=_percentile(measured, 0.1) * 1e3,
+            step_ms_p90=_percentile(measured, 0.9) * 1e3, step_ms_min=min(measured) * 1e3,
+            step_ms_max=max(measured) * 1e3, tokens_per_s=tokens_per_step / median,
+        )
+        if name in COMPILED:
+            figures["compile_cold_s"] = sum(figures["warmup_times_s"]) - cfg.warmup * median
+            figures["compile_warm_s"] = results["warm"].get(name)
+        probes = results["probes"].get(name, [])
+        figures["probe_per_rank"] = probes
+        errors = [p["error"] for p in probes if "error" in p]
+        if errors:
+            figures["probe_error"] = errors[0]
+        else:
+            figures.update(
+                peak_mib=_mib_max_over_ranks(probes, "peak_bytes"),
+                step_mib=_mib_max_over_ranks(probes, "step_bytes"),
+                saved_mib=_mib_max_over_ranks(probes, "saved_bytes"),
+                collectives=probes[0]["collectives"],
+                collectives_total=sum(probes[0]["collectives"].values()),
+                collectives_same_on_all_ranks=all(p["collectives"] == probes[0]["collectives"] for p in probes),
+            )
+    _add_ratios(summary)
+    return summary
+
+
+def _add_ratios(summary: dict[str, dict]) -> None:
+    speed_base = summary.get(BASELINE_SPEED, {}).get("step_ms_median")
+    loss_base = summary.get(BASELINE_LOSS, {})
+    for name, figures in summary.items():
+        if figures["status"] != "ok":
+            continue
+        if speed_base:
+            figures["speed_vs_torch_eager"] = speed_base / figures["step_ms_median"]
+        if loss_base.get("status") == "ok":
+            pairs = list(zip(figures["losses"], loss_base["losses"]))
+            figures["loss_max_rel_diff"] = max(abs(a - b) / abs(b) for a, b in pairs) if pairs else None
+
+
+def _fmt(value, spec: str, missing: str = "—") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def _collectives_cell(figures: dict) -> str:
+    counts = figures.get("collectives")
+    if counts is None:
+        return "n/a"
+    known = ("all_gather", "reduce_scatter", "all_reduce")
+    cell = f"{figures['collectives_total']} ({'/'.join(str(counts.get(k, 0)) for k in known)})"
+    others = {k: v for k, v in counts.items() if k not in known}
+    return cell + "".join(f" +{v} {k}" for k, v in others.items())
+
+
+_HEADER = (
+    "| mode | step ms median (p10–p90) | tokens/s | vs torch-eager | peak MiB | step +MiB | saved MiB "
+    "| coll/step (AG/RS/AR) | compile cold s | compile warm s | loss rel diff |"
+)
+
+
+def markdown_table(summary: dict[str, dict]) -> str:
+    lines = [_HEADER, "|" + "---|" * _HEADER.count(" | ") + "---|"]
+    for name, f in summary.items():
+        if f["status"] != "ok":
+            status = f["status"].replace("|", "/")
+            lines.append(f"| {name} | {status} |" + " — |" * (_HEADER.count(" | ") - 1))
+            continue
+        cells = [
+            name,
+            f"{f['step_ms_median']:.0f} ({f['step_ms_p10']:.0f}–{f['step_ms_p90']:.0f})",
+            f"{f['tokens_per_s']:,.0f}",
+            _fmt(f.get("speed_vs_torch_eager"), ".2f") + ("×" if f.get("speed_vs_torch_eager") else ""),
+            _fmt(f.get("peak_mib"), ".0f", "n/a"),
+            _fmt(f.get("step_mib"), ".0f", "n/a"),
+            _fmt(f.get("saved_mib"), ".1f", "n/a"),
+            _collectives_cell(f),
+            _fmt(f.get("compile_cold_s"), ".1f"),
+            _fmt(f.get("compile_warm_s"), ".1f"),
+            _fmt(f.get("loss_max_rel_diff"), ".1e"),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _slowest_line(summary: dict[str, dict]) -> str:
+    rated = {n: f["speed_vs_torch_eager"] for n, f in summary.items() if f.get("speed_vs_torch_eager") and n != BASELINE_SPEED}
+    if not rated:
+        return ""
+    name = min(rated, key=rated.get)
+    return f"Slowest mode relative to {BASELINE_SPEED}: {name} (speed {rated[name]:.2f}× {BASELINE_SPEED}'s)."
+
+
+def _git_commit() -> str:
+    try:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
+        return f"{commit}{' with uncommitted changes' if dirty else ''}" if commit else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _meta(cfg: BenchConfig, results: dict, world: int, device: torch.device) -> dict:
+    with torch.device("meta"):
+        from fsdp_compile.models import Transformer
+
+        parameters = sum(p.numel() for p in Transformer(cfg.model_config()).parameters())
+    if device.type == "cuda":
+        machine = f"{torch.cuda.get_device_name(device)}, NCCL"
+    else:
+        machine = f"{os.cpu_count()}-core CPU ({platform.machine()}), gloo, {torch.get_num_threads()} thread(s) per rank"
+    return {
+        "command": cfg.command,
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "commit": _git_commit(),
+        "device": device.type,
+        "machine": machine,
+        "world_size": world,
+        "parameters": parameters,
+        "tokens_per_step": cfg.batch * cfg.seq * world,
+        "inductor_startup_s": results["inductor_startup_s"],
+        "config": {k: v for k, v in cfg.__dict__.items() if k != "command"},
+        "section_key": f"{device.type}-{'nccl' if device.type == 'cuda' else 'gloo'}-world{world}",
+    }
+
+
+_METHOD = """\
+How the figures are measured: modes run interleaved step by step after a barrier; step time is
+forward + backward + AdamW step of the slowest rank, warm-up steps excluded. Memory, saved
+tensors and collectives come from one extra, untimed probe step per mode: on CPU the peak is
+the rank's RSS sampled every 1 ms from /proc/self/statm after returning free heap memory to
+the OS (malloc_trim), and "step +MiB" is that peak minus the RSS just before the step (all
+modes' models stay resident, so the absolute peak includes theirs); on CUDA it is
+torch.cuda.max_memory_allocated. Saved MiB sums the distinct tensors autograd saves for
+backward in one forward (saved_tensors_hooks). Collectives are the c10d ops the torch profiler
+sees in one step (AG all-gather / RS reduce-scatter / AR all-reduce). Compile cold is the
+warm-up steps' excess over the median step with a fresh Inductor cache; warm, the same for a
+second model built after torch._dynamo.reset() with the caches populated; Inductor's one-time
+start-up is paid by a trivial compile before any mode (STARTUP). Loss rel diff is
+the max over all steps of |loss - loss(ours-eager)| / |loss(ours-eager)|."""
+
+
+def _method(meta: dict) -> str:
+    startup = meta["inductor_startup_s"]
+    return _METHOD.replace(" (STARTUP)", "" if startup is None else f" ({startup:.1f} s in this run)")
+
+
+def _section(meta: dict, table: str, summary: dict) -> str:
+    key = meta["section_key"]
+    slowest = _slowest_line(summary)
+    return (
+        f"<!-- benchmark section: {key} -->\n"
+        f"## {meta['machine']}, world size {meta['world_size']}\n\n"
+        f"Command: `{meta['command']}`  \n"
+        f"torch {meta['torch']}, Python {meta['python']}, {meta['date'][:10]}, commit {meta['commit']}.  \n"
+        f"Model: {meta['parameters'] / 1e6:.2f}M parameters ({_model_text(meta['config'])}), "
+        f"{meta['tokens_per_step']} tokens per step over all ranks.\n\n"
+        f"{table}\n\n{slowest + chr(10) + chr(10) if slowest else ''}{_method(meta)}\n"
+        f"<!-- end benchmark section: {key} -->\n"
+    )
+
+
+def _model_text(config: dict) -> str:
+    head = "untied head" if config["untied"] else "tied head"
+    precision = "bf16 params / fp32 reduce" if config["bf16"] else "fp32"
+    return (f"dim {config['dim']}, {config['layers']} layers, {config['heads']} heads, vocab {config['vocab']}, "
+            f"seq {config['seq']}, batch {config['batch']} per rank, {head}, {precision}, "
+            f"{config['warmup']} warm-up + {config['steps']} measured steps")
+
+
+def _write_results_md(path: str, section: str, key: str) -> None:
+    """Replace this machine kind's section in ``path`` (or append it); other sections stay."""
+    text = open(path).read() if os.path.exists(path) else "# Benchmark results\n"
+    pattern = re.compile(rf"<!-- benchmark section: {re.escape(key)} -->.*?<!-- end benchmark section: {re.escape(key)} -->\n", re.S)
+    text = pattern.sub(lambda _: section, text) if pattern.search(text) else text.rstrip("\n") + "\n\n" + section
+    with open(path, "w") as out:
+        out.write(text)
+
+
+def _plot(path: str, cfg: BenchConfig, summary: dict) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("benchmarks: matplotlib is not installed (pip install matplotlib); no PNG written", file=sys.stderr)
+        return False
+    ok = [name for name, f in summary.items() if f["status"] == "ok"]
+    figure, (times_ax, loss_ax) = plt.subplots(1, 2, figsize=(13, 4.8))
+    if ok:
+        times_ax.boxplot([[t * 1e3 for t in summary[n]["step_times_s"]] for n in ok], whis=(10, 90), showfliers=True)
+        times_ax.set_xticks(range(1, len(ok) + 1), ok, rotation=20)
+    times_ax.set_ylabel("step time (ms)")
+    all_times = [t for n in ok for t in summary[n]["step_times_s"]]
+    if all_times and max(all_times) > 20 * min(all_times):
+        times_ax.set_yscale("log")  # one mode far slower (e.g. recompiling) would flatten the others
+    times_ax.set_title(f"step time per mode (box: quartiles, whiskers: p10–p90; {cfg.steps} steps)")
+    for name in ok:
+        loss_ax.plot(range(len(summary[name]["losses"])), summary[name]["losses"], label=name, marker=".")
+    loss_ax.axvspan(-0.5, cfg.warmup - 0.5, color="0.9", label="warm-up")
+    loss_ax.set_xlabel("step")
+    loss_ax.set_ylabel("global loss")
+    loss_ax.set_title("loss per step (same data and seed)")
+    loss_ax.legend(fontsize="small")
+    missing = [n for n in summary if n not in ok]
+    if missing:
+        figure.text(0.01, 0.01, "unavailable: " + ", ".join(missing), fontsize="small", color="0.4")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True
+
+
+def publish(cfg: BenchConfig, results: dict, world: int, device: torch.device) -> None:
+    """Print the table and write results.{md,json,png} into cfg.out_dir (rank 0)."""
+    summary = summarize(cfg, results, world)
+    meta = _meta(cfg, results, world, device)
+    table = markdown_table(summary)
+    section = _section(meta, table, summary)
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    with open(os.path.join(cfg.out_dir, "results.json"), "w") as out:
+        json.dump({"meta": meta, "modes": summary, "errors": results["errors"]}, out, indent=1)
+    with open(os.path.join(cfg.out_dir, "results.md"), "w") as out:
+        out.write(section)
+    wrote_png = _plot(os.path.join(cfg.out_dir, "results.png"), cfg, summary)
+    if cfg.results_md:
+        _write_results_md(cfg.results_md, section, meta["section_key"])
+    print(f"\n{meta['machine']}, world size {world}, {meta['parameters'] / 1e6:.2f}M parameters, torch {meta['torch']}\n")
+    print(table)
+    slowest = _slowest_line(summary)
+    if slowest:
+        print("\n" + slowest)
+    written = ["results.md", "results.json"] + (["results.png"] if wrote_png else [])
+    print(f"\nwrote {', '.join(os.path.join(cfg.out_dir, name) for name in written)}"
+          + (f" and the section in {cfg.results_md}" if cfg.results_md else ""))
+    for name in results["errors"]:
+        print(f"note: {name} raised; its full traceback is under \"errors\" in results.json", file=sys.stderr)

@@ -1,0 +1,214 @@
+"""One benchmark run on every rank: build the modes, step them interleaved, probe, time a warm compile, report.
+
+[Note: interleaving] Step k of every mode runs before step k+1 of any, each after a barrier, so
+a burst of machine noise lands on all modes alike rather than on whichever ran at that moment.
+Each rank keeps all modes' models resident for the whole run; per-mode memory is therefore
+measured as the peak of one probe step and its rise over the value just before that step.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from benchmarks import report
+from benchmarks.config import BenchConfig
+from benchmarks.measure import probe_step, timed_step
+from benchmarks.modes import COMPILED, Mode, build_mode
+from benchmarks.progress import Progress
+
+__all__ = ["worker"]
+
+
+def _global_batches(cfg: BenchConfig, world: int, count: int) -> list[torch.Tensor]:
+    """Learnable sequences (random start, small random stride, modulo vocab), so the loss falls."""
+    generator = torch.Generator().manual_seed(cfg.seed + 1)
+    rows = cfg.batch * world
+    batches = []
+    for _ in range(count):
+        start = torch.randint(0, cfg.vocab, (rows, 1), generator=generator)
+        stride = torch.randint(1, 8, (rows, 1), generator=generator)
+        batches.append((start + stride * torch.arange(cfg.seq)) % cfg.vocab)
+    return batches
+
+
+def _short(error: BaseException) -> str:
+    first = next((line for line in str(error).splitlines() if line.strip()), "")
+    return f"{type(error).__name__}: {first}"[:160]
+
+
+class _Agreement:
+    """All ranks learn whether any rank failed, so a failed mode is dropped everywhere at once."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.world = dist.get_world_size()
+
+    def gather(self, values: list[float]) -> torch.Tensor:
+        """[world, len(values)] of every rank's values (one small all-gather)."""
+        local = torch.tensor(values, dtype=torch.float64, device=self.device)
+        rows = [torch.empty_like(local) for _ in range(self.world)]
+        dist.all_gather(rows, local)
+        return torch.stack(rows).cpu()
+
+    def reason(self, local_reason: str | None) -> str | None:
+        """None if no rank failed, else the first failing rank's reason."""
+        failed = self.gather([0.0 if local_reason is None else 1.0])[:, 0]
+        return self.first_reason(local_reason) if failed.any() else None
+
+    def first_reason(self, local_reason: str | None) -> str:
+        """Called on every rank once some rank is known to have failed."""
+        reasons: list = [None] * self.world
+        dist.all_gather_object(reasons, local_reason)
+        return next(r for r in reasons if r)
+
+
+def _build(name: str, cfg: BenchConfig, device: torch.device, agree: _Agreement, errors: dict) -> tuple[Mode | None, str | None]:
+    mode, local_reason = None, None
+    try:
+        mode = build_mode(name, cfg.model_config(), device, cfg.seed, cfg.lr, cfg.bf16)
+    except Exception as error:  # noqa: BLE001 - reported as "unavailable" in the table
+        local_reason, errors[name] = _short(error), traceback.format_exc()
+    reason = agree.reason(local_reason)
+    return (mode, None) if reason is None else (None, reason)
+
+
+def _step_all_ranks(mode: Mode, tokens: torch.Tensor, device: torch.device, agree: _Agreement, errors: dict):
+    """(per-rank seconds, global mean loss, failure reason or None) of one timed step."""
+    dist.barrier()
+    try:
+        seconds, loss = timed_step(mode, tokens, device)
+        values, local_reason = [seconds, loss.item(), 0.0], None
+    except Exception as error:  # noqa: BLE001
+        values, local_reason = [0.0, 0.0, 1.0], _short(error)
+        errors[mode.name] = traceback.format_exc()
+    rows = agree.gather(values)
+    if rows[:, 2].any():
+        return None, None, agree.first_reason(local_reason)
+    return rows[:, 0].tolist(), rows[:, 1].mean().item(), None
+
+
+def _fresh_inductor_cache(rank: int) -> str:
+    # A cold compile is cold only with an empty cache; each rank gets its own, removed at the end.
+    path = tempfile.mkdtemp(prefix=f"fsdp_bench_inductor_rank{rank}_")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    os.environ["TRITON_CACHE_DIR"] = os.path.join(path, "triton")
+    return path
+
+
+def worker(cfg: BenchConfig) -> None:
+    """Runs on every rank with the process group initialized (see launch.py); rank 0 reports."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    cache = _fresh_inductor_cache(rank) if cfg.fresh_inductor_cache else None
+    try:
+        results = _run(cfg, rank, world, device)
+    finally:
+        if cache is not None:
+            shutil.rmtree(cache, ignore_errors=True)
+    if rank == 0:
+        report.publish(cfg, results, world, device)
+
+
+def _run(cfg: BenchConfig, rank: int, world: int, device: torch.device) -> dict:
+    agree = _Agreement(device)
+    batches = [b.chunk(world)[rank].to(device) for b in _global_batches(cfg, world, cfg.total_steps + 1)]
+    errors: dict[str, str] = {}
+    status: dict[str, str | None] = {}
+    modes: dict[str, Mode] = {}
+    progress = Progress(len(cfg.modes) * (cfg.total_steps + 2), enabled=rank == 0)
+    startup = _inductor_startup(device, agree) if COMPILED.intersection(cfg.modes) else None
+    for name in cfg.modes:
+        modes[name], status[name] = _build(name, cfg, device, agree, errors)
+        progress.advance(f"built {name}")
+
+    times: dict[str, list[list[float]]] = {name: [] for name in cfg.modes}  # [step][rank]
+    losses: dict[str, list[float]] = {name: [] for name in cfg.modes}
+    for step in range(cfg.total_steps):
+        for name in cfg.modes:
+            if status[name] is not None:
+                progress.advance(f"{name} unavailable")
+                continue
+            phase = "warm-up" if step < cfg.warmup else "step"
+            seconds, loss, reason = _step_all_ranks(modes[name], batches[step], device, agree, errors)
+            if reason is not None:
+                status[name] = reason if step == 0 else f"failed at step {step}: {reason}"
+                modes[name] = None
+            else:
+                times[name].append(seconds)
+                losses[name].append(loss)
+            progress.advance(f"{name} {phase} {step + 1}/{cfg.total_steps}")
+
+    probes: dict[str, list] = {}
+    for name in cfg.modes:
+        if status[name] is None:
+            probes[name] = _probe_all_ranks(modes[name], batches[cfg.total_steps], device, agree, errors)
+        progress.advance(f"probed {name}")
+    modes.clear()
+    gc.collect()
+
+    warm: dict[str, float | None] = {}
+    compiled = [name for name in cfg.modes if name in COMPILED and status[name] is None]
+    if cfg.warm_compile and compiled:
+        progress.grow(len(compiled) * cfg.warmup)
+        for name in compiled:
+            warm[name] = _warm_compile(name, cfg, batches, device, agree, errors, times[name], progress)
+    progress.close()
+    return {
+        "inductor_startup_s": startup, "status": status, "times": times, "losses": losses, "probes": probes, "warm": warm,
+        "errors": errors if rank == 0 else {},
+    }
+
+
+def _inductor_startup(device: torch.device, agree: _Agreement) -> float:
+    """Compile a trivial function first, so Inductor's one-time start-up (imports, compiler probe)
+    is not charged to whichever compiled mode happens to come first; returns its time."""
+    start = time.perf_counter()
+    function = torch.compile(lambda x: (x.sin() * 2).sum())
+    function(torch.randn(8, device=device, requires_grad=True)).backward()
+    torch._dynamo.reset()
+    return agree.gather([time.perf_counter() - start])[:, 0].max().item()
+
+
+def _probe_all_ranks(mode: Mode, tokens: torch.Tensor, device: torch.device, agree: _Agreement, errors: dict) -> list:
+    """Every rank's probe (a dict), or every rank's error string."""
+    dist.barrier()
+    try:
+        probe = probe_step(mode, tokens, device).__dict__
+    except Exception as error:  # noqa: BLE001 - the figures it would give show as n/a
+        probe = {"error": _short(error)}
+        errors[f"{mode.name} (probe)"] = traceback.format_exc()
+    everyone: list = [None] * agree.world
+    dist.all_gather_object(everyone, probe)
+    return everyone
+
+
+def _warm_compile(name, cfg, batches, device, agree, errors, measured_times, progress) -> float | None:
+    """Rebuild the mode after torch._dynamo.reset() and time its warm-up steps again: compile with warm caches."""
+    torch._dynamo.reset()
+    mode, reason = _build(name, cfg, device, agree, errors)
+    if mode is None:
+        return None
+    total = 0.0
+    for step in range(cfg.warmup):
+        seconds, _, reason = _step_all_ranks(mode, batches[step], device, agree, errors)
+        progress.advance(f"{name} warm compile {step + 1}/{cfg.warmup}")
+        if reason is not None:
+            return None
+        total += max(seconds)
+    median = statistics.median(max(per_rank) for per_rank in measured_times[cfg.warmup:])
+    del mode
+    gc.collect()
+    return total - cfg.warmup * median
+
+
+if __name__ == "__main__":
+    sys.exit("run this through `python -m benchmarks`")

@@ -1,0 +1,140 @@
+"""The ``fsdp_inductor`` torch.compile backend: AOTAutograd + Inductor with our graph passes.
+
+Registered on ``import fsdp_compile`` and through the ``torch_dynamo_backends`` entry point, so
+``torch.compile(model, backend="fsdp_inductor")`` works right after ``pip install``.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+__all__ = ["fsdp_inductor", "fsdp_aot_eager", "observe_graphs", "graph_fingerprint", "check_same_graph_on_all_ranks"]
+
+_PASS_VERSION = "fsdp_compile-recompute-v1"
+
+
+_graph_observers: list[Callable[[str, fx.GraphModule], None]] = []
+
+
+@contextlib.contextmanager
+def observe_graphs() -> Iterator[list[tuple[str, fx.GraphModule]]]:
+    """Collect ("joint" | "forward" | "backward", graph) as the fsdp backends produce them.
+
+    Example::
+
+        with observe_graphs() as graphs:
+            torch.compile(model, backend="fsdp_aot_eager")(x).sum().backward()
+        forward = next(g for kind, g in graphs if kind == "forward")
+    """
+    seen: list[tuple[str, fx.GraphModule]] = []
+    observer = lambda kind, gm: seen.append((kind, gm))  # noqa: E731
+    _graph_observers.append(observer)
+    try:
+        yield seen
+    finally:
+        _graph_observers.remove(observer)
+
+
+def _notify(kind: str, gm: fx.GraphModule) -> None:
+    for observer in _graph_observers:
+        observer(kind, gm)
+
+
+def _tag_recompute(graph: fx.Graph) -> None:
+    from fsdp_compile.passes.recompute import tag_reshard_after_forward_for_recompute
+
+    tag_reshard_after_forward_for_recompute(graph)
+    _notify("joint", graph.owning_module)
+
+
+class _RecomputeReshardedParams(CustomGraphPass):
+    """Inductor joint-graph hook around ``passes.recompute``; the uuid keeps FX-graph caching valid."""
+
+    def __call__(self, graph: fx.Graph) -> None:
+        _tag_recompute(graph)
+
+    def uuid(self) -> Any:
+        return _PASS_VERSION
+
+
+def graph_fingerprint(gm: fx.GraphModule) -> str:
+    """Hash of the op sequence only: shapes may differ across ranks (uneven shards), ops may not."""
+    ops = "\n".join(f"{node.op}:{getattr(node.target, '__name__', node.target)}" for node in gm.graph.nodes)
+    return hashlib.sha256(ops.encode()).hexdigest()[:16]
+
+
+def check_same_graph_on_all_ranks(gm: fx.GraphModule) -> None:
+    """Raise on every rank if ranks traced different graphs: their collectives would not match up."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    mine = graph_fingerprint(gm)
+    everyone: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if len(set(everyone)) > 1:
+        by_fingerprint: dict[str, list[int]] = {}
+        for rank, fingerprint in enumerate(everyone):
+            by_fingerprint.setdefault(str(fingerprint), []).append(rank)
+        groups = sorted(by_fingerprint.values(), key=len)
+        listed = "; ".join(f"ranks {ranks} traced graph {fp}" for fp, ranks in by_fingerprint.items())
+        raise RuntimeError(
+            f"fsdp_inductor: ranks traced different graphs ({listed}); ranks {groups[0]} differ. Every rank must run "
+            "the same code path (no control flow on the rank or on rank-local data), or their collectives would "
+            "hang. Move rank-dependent logic outside the compiled model."
+        )
+
+
+def fsdp_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+    """Compile a Dynamo graph of an FSDP model: check ranks agree, tag recompute, hand to Inductor."""
+    from torch._inductor.compile_fx import compile_fx
+
+    check_same_graph_on_all_ranks(gm)
+    config_patches = {
+        "joint_custom_pre_pass": _RecomputeReshardedParams(),
+        # Only our passes decide collective placement (DESIGN.md section 5).
+        "reorder_for_compute_comm_overlap": False,
+    }
+    return compile_fx(gm, example_inputs, config_patches=config_patches)
+
+
+def fsdp_aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+    """``fsdp_inductor``'s checks and joint-graph passes, with the partitioned graphs run eagerly.
+
+    For debugging and graph tests: no code generation, the same forward/backward split.
+    """
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    check_same_graph_on_all_ranks(gm)
+
+    def partition(joint: fx.GraphModule, joint_inputs: Any, **partition_kwargs: Any) -> Any:
+        _tag_recompute(joint.graph)
+        return min_cut_rematerialization_partition(joint, joint_inputs, **partition_kwargs)
+
+    def run_eagerly(kind: str) -> Callable[[fx.GraphModule, Any], Any]:
+        def compiler(graph: fx.GraphModule, inputs: Any) -> Any:
+            _notify(kind, graph)
+            return make_boxed_func(graph.forward)
+
+        return compiler
+
+    return aot_module_simplified(
+        gm, example_inputs, fw_compiler=run_eagerly("forward"), bw_compiler=run_eagerly("backward"), partition_fn=partition
+    )
+
+
+def _register() -> None:
+    from torch._dynamo.backends.registry import _BACKENDS, register_backend
+
+    for name, backend in (("fsdp_inductor", fsdp_inductor), ("fsdp_aot_eager", fsdp_aot_eager)):
+        if name not in _BACKENDS:
+            register_backend(name=name)(backend)
+
+
+_register()

@@ -1,0 +1,138 @@
+"""What reading a managed parameter becomes under Dynamo (DESIGN.md section 5).
+
+[Note: parameter reads under torch.compile]
+Every module holding a managed parameter gets a class with one property per parameter name
+(installed by ``fully_shard``; the state-dict FQNs are untouched since the parameter stays in
+``_parameters``). Eagerly the property returns whatever the hooks registered (sharded DTensor
+or unsharded tensor). While Dynamo traces (and ``config.skip_fsdp_hooks`` is off) the hooks
+stand aside and the property returns ``unshard(sharded)`` instead:
+
+    local shard --pad--> --cast param_dtype--> all_gather --wait--> [:dim0] --> full parameter
+    grad shard <--cast orig-- /post <--wait-- reduce_scatter(sum) <-- /pre <--cast reduce_dtype-- grad
+
+so the graph carries one all-gather per parameter read and one reduce-scatter per gradient,
+each node annotated (``node.meta["custom"]``) with its group and parameter for the passes.
+The arithmetic (casts, divide factors, padding) is the eager runtime's, so the compiled path
+reproduces its numerics.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import torch.fx.traceback as fx_traceback
+
+from fsdp_compile import config
+
+__all__ = ["TraceInfo", "unshard_for_trace", "install_traced_param_access", "FSDP_ANNOTATION_KEY"]
+
+FSDP_ANNOTATION_KEY = "fsdp"
+
+_functional = torch.ops._c10d_functional
+
+
+@dataclass(frozen=True)
+class TraceInfo:
+    """Everything the traced unshard of one parameter needs; constants to Dynamo."""
+
+    fqn: str
+    group: str
+    dim0: int
+    padded_rows: int
+    world_size: int
+    group_name: str
+    param_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    orig_dtype: torch.dtype
+    pre_divide: float
+    post_divide: float
+    replicate_size: int
+    replicate_group_name: str | None
+    reshard_after_forward: bool
+
+    def annotation(self) -> dict[str, object]:
+        return {
+            FSDP_ANNOTATION_KEY: True,
+            "fsdp_group": self.group,
+            "fsdp_param": self.fqn,
+            "fsdp_reshard_after_forward": self.reshard_after_forward,
+        }
+
+
+class _AllGatherShard(torch.autograd.Function):
+    """Padded local shard (orig dtype) -> gathered [world * padded_rows, ...] in param_dtype."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx, padded_shard: torch.Tensor, world_size: int, group_name: str, param_dtype: torch.dtype,
+        reduce_dtype: torch.dtype, orig_dtype: torch.dtype, pre_divide: float, post_divide: float,
+        replicate_size: int, replicate_group_name: str | None,
+    ) -> torch.Tensor:
+        ctx.world_size, ctx.group_name = world_size, group_name
+        ctx.reduce_dtype, ctx.orig_dtype = reduce_dtype, orig_dtype
+        ctx.pre_divide, ctx.post_divide = pre_divide, post_divide
+        ctx.replicate_size, ctx.replicate_group_name = replicate_size, replicate_group_name
+        cast = padded_shard.to(param_dtype)
+        gathered = _functional.all_gather_into_tensor(cast, world_size, group_name)
+        return _functional.wait_tensor(gathered)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        grad = grad.to(ctx.reduce_dtype)
+        if ctx.pre_divide != 1.0:
+            grad = grad / ctx.pre_divide
+        reduced = _functional.wait_tensor(
+            _functional.reduce_scatter_tensor(grad.contiguous(), "sum", ctx.world_size, ctx.group_name)
+        )
+        if ctx.replicate_group_name is not None:
+            reduced = _functional.wait_tensor(_functional.all_reduce(reduced, "sum", ctx.replicate_group_name))
+        if ctx.post_divide != 1.0:
+            reduced = reduced / ctx.post_divide
+        return reduced.to(ctx.orig_dtype), None, None, None, None, None, None, None, None, None
+
+
+def unshard_for_trace(sharded: torch.Tensor, info: TraceInfo) -> torch.Tensor:
+    """The full parameter from its sharded DTensor, as traceable functional collectives."""
+    with fx_traceback.annotate(info.annotation()):
+        local = sharded.to_local()
+        # Always pad (possibly by 0 rows): every rank must trace the same ops (fingerprint check).
+        padding = [0, 0] * (local.dim() - 1) + [0, info.padded_rows - local.shape[0]]
+        padded = F.pad(local, padding)
+        gathered = _AllGatherShard.apply(
+            padded, info.world_size, info.group_name, info.param_dtype, info.reduce_dtype, info.orig_dtype,
+            info.pre_divide, info.post_divide, info.replicate_size, info.replicate_group_name,
+        )
+        return gathered.narrow(0, 0, info.dim0)
+
+
+_TRACED_PARAMS_ATTR = "_fsdp_compile_traced_params"
+_property_classes: dict[tuple[type, frozenset[str]], type] = {}
+
+
+def _param_property(name: str) -> property:
+    def read(module: torch.nn.Module) -> torch.Tensor:
+        if torch.compiler.is_compiling() and not config.skip_fsdp_hooks:
+            fsdp_param = module.__dict__[_TRACED_PARAMS_ATTR][name]
+            return unshard_for_trace(fsdp_param.sharded_param, fsdp_param.trace_info)
+        return module._parameters[name]
+
+    return property(read, doc=f"FSDP-managed parameter '{name}' (see [Note: parameter reads under torch.compile])")
+
+
+def install_traced_param_access(module: torch.nn.Module, name: str, fsdp_param: object) -> None:
+    """Route ``module.<name>`` through the property above; see [Note: parameter reads under torch.compile]."""
+    managed = module.__dict__.setdefault(_TRACED_PARAMS_ATTR, {})
+    managed[name] = fsdp_param
+    base = type(module)
+    if getattr(base, "_fsdp_compile_property_base", None) is not None:
+        base = base._fsdp_compile_property_base
+    key = (base, frozenset(managed))
+    if key not in _property_classes:
+        namespace = {param_name: _param_property(param_name) for param_name in managed}
+        namespace["_fsdp_compile_property_base"] = base
+        namespace["__module__"] = base.__module__
+        namespace["__qualname__"] = base.__qualname__
+        # Same name as the user's class: printed models and error messages stay familiar.
+        _property_classes[key] = type(base.__name__, (base,), namespace)
+    module.__class__ = _property_classes[key]

@@ -1,0 +1,209 @@
+"""The compiled path: fsdp_inductor, the skip_fsdp_hooks fallback and compiled autograd vs our eager runtime."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fsdp_compile
+from fsdp_compile.models import next_token_loss
+from fsdp_testing import SMALL, build_reference, global_batches, local_part, make_optimizer, shard_model, sharded_copy
+
+STEPS = 3
+
+
+def _forward_backward(runner, micro, micro_batches):
+    loss = next_token_loss(runner(micro), micro) / micro_batches
+    loss.backward()
+    return loss.detach()
+
+
+def _train(model, batches, compiled_model=None, micro_batches: int = 1, compiled_step=None):
+    runner = compiled_model if compiled_model is not None else model
+    step = compiled_step or _forward_backward
+    optimizer = make_optimizer("adamw", model.parameters())
+    losses = []
+    graphs_after_first_step = None
+    for batch in batches:
+        local = local_part(batch)
+        total = 0.0
+        micros = local.chunk(micro_batches)
+        for index, micro in enumerate(micros):
+            if micro_batches > 1:
+                model.set_requires_gradient_sync(index == len(micros) - 1)
+            total += step(runner, micro, micro_batches).item()
+        optimizer.step()
+        optimizer.zero_grad()
+        value = torch.tensor([total], dtype=torch.float64)
+        dist.all_reduce(value)
+        losses.append(value.item() / dist.get_world_size())
+        if graphs_after_first_step is None:
+            graphs_after_first_step = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    _train.graphs_after_first_step = graphs_after_first_step
+    return losses
+
+
+def _full_params(model):
+    return [p.full_tensor() for p in model.parameters()]
+
+
+def _compiled_vs_eager(mode: str, param_dtype_name: str | None = None, micro_batches: int = 1, hsdp_and_frozen: bool = False):
+    """Train the same model eagerly and compiled (``mode``); return losses and max parameter difference."""
+    torch._dynamo.reset()
+    param_dtype = getattr(torch, param_dtype_name) if param_dtype_name else None
+    policy = fsdp_compile.MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    batches = global_batches(STEPS, 2 * micro_batches, dist.get_world_size())
+    reference = build_reference()
+    extra = {}
+    if hsdp_and_frozen:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        extra["mesh"] = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("replicate", "shard"))
+        reference.layers[0].attention.wq.weight.requires_grad_(False)
+    eager = shard_model(sharded_copy(reference), fsdp_compile.fully_shard, mp_policy=policy, **extra)
+    compiled = shard_model(sharded_copy(reference), fsdp_compile.fully_shard, mp_policy=policy, **extra)
+    eager_losses = _train(eager, batches, micro_batches=micro_batches)
+    torch._dynamo.utils.counters.clear()
+    previous_ca = torch._dynamo.config.compiled_autograd
+    try:
+        if mode == "fsdp_inductor":
+            runner = torch.compile(compiled, backend="fsdp_inductor", fullgraph=True)
+        elif mode == "fallback":
+            fsdp_compile.config.skip_fsdp_hooks = True
+            runner = torch.compile(compiled, backend="inductor")
+        elif mode == "compiled_autograd":
+            # Compiled autograd traces backward calls made inside a compiled region: compile the step.
+            torch._dynamo.config.compiled_autograd = True
+            runner = compiled
+            step = torch.compile(_forward_backward, backend="fsdp_inductor")
+        elif mode == "fallback_step":
+            fsdp_compile.config.skip_fsdp_hooks = True
+            runner = compiled
+            step = torch.compile(_forward_backward, backend="inductor")
+        elif mode == "fallback_compiled_autograd":
+            fsdp_compile.config.skip_fsdp_hooks = True
+            torch._dynamo.config.compiled_autograd = True
+            runner = compiled
+            step = torch.compile(_forward_backward, backend="inductor")
+        else:
+            raise ValueError(mode)
+        compiled_losses = _train(compiled, batches, runner, micro_batches=micro_batches, compiled_step=step if mode.endswith(("compiled_autograd", "_step")) else None)
+    finally:
+        fsdp_compile.config.skip_fsdp_hooks = False
+        torch._dynamo.config.compiled_autograd = previous_ca
+    frames = dict(torch._dynamo.utils.counters["stats"])
+    frames["after_first_step"] = _train.graphs_after_first_step
+    frames["compiled_autograd_captures"] = torch._dynamo.utils.counters["compiled_autograd"]["captures"]
+    breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+    param_diff = max((a - b).abs().max().item() for a, b in zip(_full_params(eager), _full_params(compiled)))
+    return eager_losses, compiled_losses, param_diff, frames, breaks
+
+
+def _assert_matches_eager(result, loss_rtol=1e-6, param_atol=1e-5):
+    eager_losses, compiled_losses, param_diff, frames, breaks = result
+    for step, (a, b) in enumerate(zip(eager_losses, compiled_losses)):
+        assert abs(a - b) <= loss_rtol * abs(a), f"step {step}: eager {a} vs compiled {b}"
+    assert param_diff <= param_atol, f"parameters differ by {param_diff}"
+    # The eager model trained too, so the comparison is not vacuous.
+    assert eager_losses[0] != eager_losses[-1]
+
+
+def test_fsdp_inductor_fullgraph_matches_eager_without_breaks_or_recompiles(dist):
+    result = dist.run(2, _compiled_vs_eager, "fsdp_inductor")[0]
+    _assert_matches_eager(result)
+    frames, breaks = result[3], result[4]
+    assert breaks == 0
+    assert frames["unique_graphs"] == frames["after_first_step"], "recompiled after the first step"
+
+
+def test_fsdp_inductor_bf16_mixed_precision_matches_eager_within_bf16_rounding(dist):
+    _assert_matches_eager(dist.run(2, _compiled_vs_eager, "fsdp_inductor", "bfloat16")[0], loss_rtol=1e-2, param_atol=1e-2)
+
+
+def test_fsdp_inductor_hsdp_2x2_with_a_frozen_parameter_matches_eager(dist):
+    _assert_matches_eager(dist.run(4, _compiled_vs_eager, "fsdp_inductor", hsdp_and_frozen=True)[0])
+
+
+def test_skip_fsdp_hooks_fallback_runs_hooks_eagerly_with_equal_numerics(dist):
+    result = dist.run(2, _compiled_vs_eager, "fallback")[0]
+    _assert_matches_eager(result)
+    assert result[4] > 0, "the hooks should have run eagerly at graph breaks"
+
+
+def test_compiled_autograd_gradients_equal_eager(dist):
+    result = dist.run(2, _compiled_vs_eager, "compiled_autograd")[0]
+    _assert_matches_eager(result)
+    assert result[3]["compiled_autograd_captures"] > 0, "compiled autograd did not trace the backward"
+
+
+def test_gradient_accumulation_without_sync_on_compiled_model(dist):
+    # Compiled, every micro-batch reduce-scatters (the sum is the same); eager defers to the last.
+    _assert_matches_eager(dist.run(2, _compiled_vs_eager, "fsdp_inductor", micro_batches=2)[0])
+
+
+def _state_dict_after_compiled_training():
+    torch._dynamo.reset()
+    reference = build_reference()
+    model = shard_model(sharded_copy(reference), fsdp_compile.fully_shard)
+    compiled = torch.compile(model, backend="fsdp_inductor")
+    _train(model, global_batches(2, 2, dist.get_world_size()), compiled)
+    state = model.state_dict()
+    restored = shard_model(sharded_copy(reference), fsdp_compile.fully_shard)
+    restored.load_state_dict(state)
+    tokens = global_batches(1, 2, 1, seed=7)[0]
+    with torch.no_grad():
+        difference = (compiled(tokens) - restored(tokens)).abs().max().item()
+    kinds = {type(v).__name__ for v in state.values()}
+    return kinds, difference
+
+
+def test_state_dict_of_compiled_model_loads_into_eager_model(dist):
+    kinds, difference = dist.run(2, _state_dict_after_compiled_training)[0]
+    assert kinds == {"DTensor"}
+    assert difference < 1e-5
+
+
+class _RankDependent(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        if dist.get_rank() == 0:  # a different graph on rank 0
+            y = y * 2
+        return y
+
+
+def _rank_dependent_control_flow():
+    torch._dynamo.reset()
+    model = _RankDependent()
+    fsdp_compile.fully_shard(model)
+    try:
+        torch.compile(model, backend="fsdp_inductor")(torch.randn(2, 8))
+    except Exception as error:  # noqa: BLE001
+        return str(error)
+    return ""
+
+
+def test_rank_dependent_graphs_fail_before_any_collective_with_the_ranks_named(dist):
+    for message in dist.run(2, _rank_dependent_control_flow):
+        assert "ranks traced different graphs" in message
+        assert "ranks [0] traced graph" in message and "ranks [1] traced graph" in message
+
+
+def test_fallback_inside_a_compiled_training_step_matches_eager(dist):
+    _assert_matches_eager(dist.run(2, _compiled_vs_eager, "fallback_step")[0])
+
+
+def _fallback_under_compiled_autograd():
+    try:
+        _compiled_vs_eager("fallback_compiled_autograd")
+    except RuntimeError as error:
+        return str(error)
+    return ""
+
+
+def test_fallback_under_compiled_autograd_is_refused_clearly(dist):
+    for message in dist.run(2, _fallback_under_compiled_autograd):
+        assert "compiled autograd cannot trace" in message and "backend='fsdp_inductor'" in message

@@ -1,0 +1,109 @@
+"""Traced graphs of the compiled path, in one process with a fake process group (world 8 and 64)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import fsdp_compile
+from fsdp_compile.backend import graph_fingerprint, observe_graphs
+from fsdp_compile.models import Transformer, TransformerConfig
+from fsdp_compile.passes.recompute import fsdp_annotation
+
+CONFIG = TransformerConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=16)
+
+
+@pytest.fixture(params=[8, 64])
+def fake_world(request):
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=request.param)
+    torch._dynamo.reset()
+    yield request.param
+    torch._dynamo.reset()
+    dist.destroy_process_group()
+
+
+def _ops(graph_module, name):
+    return [n for n in graph_module.graph.nodes if n.op == "call_function" and name in str(n.target)]
+
+
+def _traced_graphs(reshard_root=None):
+    torch.manual_seed(0)
+    model = Transformer(CONFIG)
+    for layer in model.layers:
+        fsdp_compile.fully_shard(layer)
+    fsdp_compile.fully_shard(model, reshard_after_forward=reshard_root)
+    with observe_graphs() as graphs:
+        compiled = torch.compile(model, backend="fsdp_aot_eager", fullgraph=True)
+        compiled(torch.randint(0, CONFIG.vocab_size, (2, 8))).sum().backward()
+    forward = next(g for kind, g in graphs if kind == "forward")
+    backward = next(g for kind, g in graphs if kind == "backward")
+    return model, forward, backward
+
+
+def test_graphs_hold_one_all_gather_per_parameter_and_one_reduce_scatter_per_read(fake_world):
+    model, forward, backward = _traced_graphs()
+    params = list(model.parameters())
+    gathers = _ops(forward, "all_gather_into_tensor")
+    scatters = _ops(backward, "reduce_scatter_tensor")
+    # The tied embedding/head weight is read twice: its two identical all-gathers are merged
+    # (CSE), its two gradients are reduced separately and accumulate into one .grad.
+    assert len(gathers) == len(params)
+    assert len(scatters) == len(params) + 1
+    for node in gathers + scatters:
+        annotation = fsdp_annotation(node)
+        assert annotation is not None, node
+        assert annotation["fsdp_group"] in {"Transformer", "layers.0", "layers.1"}
+    gathered = {fsdp_annotation(n)["fsdp_param"] for n in gathers}
+    assert "layers.0" in {fsdp_annotation(n)["fsdp_group"] for n in gathers}
+    assert {"tok_embeddings.weight", "attention.wq.weight", "feed_forward.w2.weight"} <= gathered
+    assert all(n.args[1] == fake_world for n in gathers)  # group size argument
+
+
+def _saved_all_gather_outputs(forward):
+    """Saved-for-backward values that are (views of) all-gathered parameters, by group."""
+    output = next(n for n in forward.graph.nodes if n.op == "output")
+    saved = output.args[0][1:]
+    groups = []
+    for value in saved:
+        node = value
+        # A saved view of a gathered parameter keeps the whole parameter alive: look through views.
+        while (
+            node.op == "call_function" and fsdp_annotation(node) is None
+            and isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
+        ):
+            node = node.args[0]
+        annotation = fsdp_annotation(node) if node.op == "call_function" else None
+        unsharded = ("all_gather", "wait_tensor", "slice", "narrow")  # the chain from the gather on
+        if annotation is not None and any(name in str(node.target) for name in unsharded):
+            groups.append(annotation["fsdp_group"])
+    return groups
+
+
+def test_reshard_after_forward_groups_re_all_gather_instead_of_saving(fake_world):
+    _, forward, backward = _traced_graphs()
+    saved = _saved_all_gather_outputs(forward)
+    # Blocks reshard after forward: nothing of theirs is saved, backward gathers them again.
+    assert not [g for g in saved if g.startswith("layers.")]
+    regathered = {fsdp_annotation(n)["fsdp_group"] for n in _ops(backward, "all_gather_into_tensor")}
+    assert regathered == {"layers.0", "layers.1"}
+    # The root keeps its parameters (reshard_after_forward=None means False for the root): saved.
+    assert "Transformer" in saved
+
+
+def test_root_with_reshard_after_forward_true_saves_nothing_unsharded(fake_world):
+    _, forward, backward = _traced_graphs(reshard_root=True)
+    assert _saved_all_gather_outputs(forward) == []
+    regathered = {fsdp_annotation(n)["fsdp_group"] for n in _ops(backward, "all_gather_into_tensor")}
+    assert regathered == {"Transformer", "layers.0", "layers.1"}
+
+
+def test_fingerprint_ignores_shapes_but_not_ops():
+    def traced(fn, *args):
+        return torch.fx.symbolic_trace(fn)
+
+    a = torch.fx.symbolic_trace(lambda x: torch.relu(x) * 2)
+    b = torch.fx.symbolic_trace(lambda x: torch.relu(x) * 3)
+    c = torch.fx.symbolic_trace(lambda x: torch.relu(x) + 2)
+    assert graph_fingerprint(a) == graph_fingerprint(b)
+    assert graph_fingerprint(a) != graph_fingerprint(c)
