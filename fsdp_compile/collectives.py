@@ -91,6 +91,14 @@ def gradient_divide_factors(data_parallel_size: int, custom_factor: float | None
     return float(pre), data_parallel_size / pre
 
 
+def _wait(work: dist.Work | None, kind: str, label: str) -> None:
+    if work is not None:
+        try:
+            work.wait()
+        except Exception as error:  # noqa: BLE001 - rewrapped with the group's name
+            _raise_collective_error(kind, label, error)
+
+
 @dataclass
 class PendingAllGather:
     work: dist.Work | None
@@ -98,12 +106,8 @@ class PendingAllGather:
     label: str
 
     def wait(self) -> torch.Tensor:
-        if self.work is not None:
-            try:
-                self.work.wait()
-            except Exception as error:  # noqa: BLE001 - rewrapped with the group's name
-                _raise_collective_error("all-gather", self.label, error)
-            self.work = None
+        _wait(self.work, "all-gather", self.label)
+        self.work = None
         return self.output
 
 
@@ -145,12 +149,8 @@ class PendingReduceScatter:
     keep_alive: list[torch.Tensor] = field(default_factory=list)
 
     def wait(self) -> torch.Tensor:
-        if self.work is not None:
-            try:
-                self.work.wait()
-            except Exception as error:  # noqa: BLE001
-                _raise_collective_error("reduce-scatter", self.label, error)
-            self.work = None
+        _wait(self.work, "reduce-scatter", self.label)
+        self.work = None
         self.keep_alive.clear()
         return self.output
 

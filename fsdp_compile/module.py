@@ -333,9 +333,7 @@ def _check_params(params: list[nn.Parameter], refs: dict[int, list[ParamRef]], d
             )
         if param.dim() == 0:
             raise ValueError(f"fully_shard({label}): parameter '{name}' is 0-dim; give it shape (1,) to shard it on dim 0")
-    devices = {}
-    for param in params:
-        devices.setdefault(param.device, refs[id(param)][0].fqn)
+    devices = _first_name_per(params, refs, lambda param: param.device)
     if len(devices) > 1:
         listed = ", ".join(f"'{name}' on {dev}" for dev, name in devices.items())
         raise ValueError(
@@ -344,9 +342,7 @@ def _check_params(params: list[nn.Parameter], refs: dict[int, list[ParamRef]], d
         )
     for param_device, name in devices.items():
         check_param_device(label, name, param_device, device)
-    dtypes = {}
-    for param in params:
-        dtypes.setdefault(param.dtype, refs[id(param)][0].fqn)
+    dtypes = _first_name_per(params, refs, lambda param: param.dtype)
     if len(dtypes) > 1:
         listed = ", ".join(f"'{name}' is {dtype}" for dtype, name in dtypes.items())
         raise ValueError(
@@ -354,6 +350,14 @@ def _check_params(params: list[nn.Parameter], refs: dict[int, list[ParamRef]], d
             "dtype (module.to(dtype)) and use MixedPrecisionPolicy for low precision, or shard the differently-typed "
             "submodules with separate fully_shard calls."
         )
+
+
+def _first_name_per(params: list[nn.Parameter], refs: dict[int, list[ParamRef]], key: Callable[[nn.Parameter], Any]) -> dict[Any, str]:
+    """One example parameter name for each distinct ``key`` (device, dtype), for error messages."""
+    names: dict[Any, str] = {}
+    for param in params:
+        names.setdefault(key(param), refs[id(param)][0].fqn)
+    return names
 
 
 def check_param_device(label: str, param_name: str, param_device: torch.device, mesh_device: torch.device) -> None:

@@ -65,34 +65,36 @@ def _compiled_vs_eager(mode: str, param_dtype_name: str | None = None, micro_bat
     eager_losses = _train(eager, batches, micro_batches=micro_batches)
     torch._dynamo.utils.counters.clear()
     previous_ca = torch._dynamo.config.compiled_autograd
-    try:
-        if mode == "fsdp_inductor":
-            runner = torch.compile(compiled, backend="fsdp_inductor", fullgraph=True)
-        elif mode == "fallback":
-            fsdp_compile.config.skip_fsdp_hooks = True
-            runner = torch.compile(compiled, backend="inductor")
-        elif mode == "compiled_autograd":
-            # Compiled autograd traces backward calls made inside a compiled region: compile the step.
-            torch._dynamo.config.compiled_autograd = True
-            runner = compiled
-            step = torch.compile(_forward_backward, backend="fsdp_inductor")
-        elif mode == "fallback_step":
-            fsdp_compile.config.skip_fsdp_hooks = True
-            runner = compiled
-            step = torch.compile(_forward_backward, backend="inductor")
-        elif mode == "fallback_compiled_autograd":
-            fsdp_compile.config.skip_fsdp_hooks = True
-            torch._dynamo.config.compiled_autograd = True
-            runner = compiled
-            step = torch.compile(_forward_backward, backend="inductor")
-        else:
-            raise ValueError(mode)
-        compiled_losses = _train(compiled, batches, runner, micro_batches=micro_batches, compiled_step=step if mode.endswith(("compiled_autograd", "_step")) else None)
-    finally:
-        fsdp_compile.config.skip_fsdp_hooks = False
-        torch._dynamo.config.compiled_autograd = previous_ca
+    with fsdp_compile.backend.observe_graphs() as graphs:
+        try:
+            if mode == "fsdp_inductor":
+                runner = torch.compile(compiled, backend="fsdp_inductor", fullgraph=True)
+            elif mode == "fallback":
+                fsdp_compile.config.skip_fsdp_hooks = True
+                runner = torch.compile(compiled, backend="inductor")
+            elif mode == "compiled_autograd":
+                # Compiled autograd traces backward calls made inside a compiled region: compile the step.
+                torch._dynamo.config.compiled_autograd = True
+                runner = compiled
+                step = torch.compile(_forward_backward, backend="fsdp_inductor")
+            elif mode == "fallback_step":
+                fsdp_compile.config.skip_fsdp_hooks = True
+                runner = compiled
+                step = torch.compile(_forward_backward, backend="inductor")
+            elif mode == "fallback_compiled_autograd":
+                fsdp_compile.config.skip_fsdp_hooks = True
+                torch._dynamo.config.compiled_autograd = True
+                runner = compiled
+                step = torch.compile(_forward_backward, backend="inductor")
+            else:
+                raise ValueError(mode)
+            compiled_losses = _train(compiled, batches, runner, micro_batches=micro_batches, compiled_step=step if mode.endswith(("compiled_autograd", "_step")) else None)
+        finally:
+            fsdp_compile.config.skip_fsdp_hooks = False
+            torch._dynamo.config.compiled_autograd = previous_ca
     frames = dict(torch._dynamo.utils.counters["stats"])
     frames["after_first_step"] = _train.graphs_after_first_step
+    frames["joint_graphs_seen_by_our_passes"] = sum(kind == "joint" for kind, _ in graphs)
     frames["compiled_autograd_captures"] = torch._dynamo.utils.counters["compiled_autograd"]["captures"]
     breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
     param_diff = max((a - b).abs().max().item() for a, b in zip(_full_params(eager), _full_params(compiled)))
@@ -114,10 +116,14 @@ def test_fsdp_inductor_fullgraph_matches_eager_without_breaks_or_recompiles(dist
     frames, breaks = result[3], result[4]
     assert breaks == 0
     assert frames["unique_graphs"] == frames["after_first_step"], "recompiled after the first step"
+    # Inductor ran our joint-graph recompute pass (the cache-safe custom pass).
+    assert frames["joint_graphs_seen_by_our_passes"] >= 1
 
 
 def test_fsdp_inductor_bf16_mixed_precision_matches_eager_within_bf16_rounding(dist):
-    _assert_matches_eager(dist.run(2, _compiled_vs_eager, "fsdp_inductor", "bfloat16")[0], loss_rtol=1e-2, param_atol=1e-2)
+    result = dist.run(2, _compiled_vs_eager, "fsdp_inductor", "bfloat16")[0]
+    _assert_matches_eager(result, loss_rtol=1e-2, param_atol=1e-2)
+    assert result[4] == 0
 
 
 def test_fsdp_inductor_hsdp_2x2_with_a_frozen_parameter_matches_eager(dist):
