@@ -57,6 +57,3 @@ class DeviceHandle:
     def wait_event(self, event: torch.Event | None, stream: torch.cuda.Stream | None) -> None:
         if event is not None and stream is not None:
             stream.wait_event(event)
-
-    def memory_allocated(self) -> int:
-        return torch.cuda.memory_allocated(self.device) if self.uses_streams else 0

@@ -242,7 +242,7 @@ def fully_shard(
     if fsdp_params:
         group = FSDPParamGroup(
             fsdp_params, modules, label, info, post_forward_info, device,
-            reshard_after_forward=reshard_after_forward is not False, output_dtype=mp_policy.output_dtype,
+            reshard_after_forward=reshard_after_forward is not False,
         )
     state = FSDPState(modules, group, mp_policy, device, auto_reshard_after_forward=reshard_after_forward is None)
     register_state_dict_hooks(state)

@@ -50,7 +50,6 @@ class FSDPParamGroup:
         post_forward_mesh_info: PostForwardMeshInfo | None,
         device: torch.device,
         reshard_after_forward: bool,
-        output_dtype: torch.dtype | None,
     ) -> None:
         self.fsdp_params = fsdp_params
         self.modules = modules

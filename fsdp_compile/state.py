@@ -119,11 +119,10 @@ class FSDPState:
         # skip_fsdp_hooks: under Dynamo the hooks run eagerly, each call a graph break.
         self._eager_pre_forward_hook = torch._dynamo.disable(self._pre_forward, recursive=True)
         self._eager_post_forward_hook = torch._dynamo.disable(self._post_forward, recursive=True)
-        self._hook_handles = []
         for module in modules:
             module.__dict__[_STATE_ATTR] = self
-            self._hook_handles.append(module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True))
-            self._hook_handles.append(module.register_forward_hook(self._post_forward_hook, prepend=False))
+            module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
+            module.register_forward_hook(self._post_forward_hook, prepend=False)
         _live_states.add(self)
 
     def refresh_trace_info(self) -> None:
@@ -366,8 +365,4 @@ class FSDPState:
     # --- used by FSDPModule -----------------------------------------------------------------------
     def states_under(self, recurse: bool) -> list["FSDPState"]:
         return all_states_under(self.modules) if recurse else [self]
-
-    def remove_hooks(self) -> None:
-        for handle in self._hook_handles:
-            handle.remove()
 
