@@ -17,6 +17,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 __all__ = ["fsdp_inductor", "fsdp_aot_eager", "observe_graphs", "graph_fingerprint", "check_same_graph_on_all_ranks"]
 
 _PASS_VERSION = "fsdp_compile-recompute-v1"
+_POST_GRAD_VERSION = "fsdp_compile-bucket-reorder-v1"
 
 
 _graph_observers: list[Callable[[str, fx.GraphModule], None]] = []
@@ -63,6 +64,49 @@ class _RecomputeReshardedParams(CustomGraphPass):
         return _PASS_VERSION
 
 
+class _PostGradPasses(CustomGraphPass):
+    """Inductor post-grad hook running ``passes.bucket`` / ``passes.reorder`` on the forward and the
+    (possibly lazily compiled) backward; the config is captured when the backend is called, and the
+    uuid carries it so a cached graph compiled under other knobs is never reused."""
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+
+    def __call__(self, graph: fx.Graph) -> None:
+        from fsdp_compile.passes import apply_post_grad_passes
+
+        gm = graph.owning_module
+        apply_post_grad_passes(gm, self.config)
+        _notify(_kind(gm), gm)
+
+    def uuid(self) -> Any:
+        return f"{_POST_GRAD_VERSION}:{self.config!r}"
+
+
+def _kind(gm: fx.GraphModule) -> str:
+    from fsdp_compile.passes.dump import graph_kind
+
+    return graph_kind(gm)
+
+
+# Inductor's own collective bucketing / reordering stay off: only our passes place collectives
+# (DESIGN.md section 5). Several of these are off by default today; pinning them keeps a global
+# torch._inductor.config change from reordering collectives differently per rank.
+INDUCTOR_COMM_PASSES_OFF: dict[str, Any] = {
+    "reorder_for_compute_comm_overlap": False,
+    "bucket_all_gathers_fx": "none",
+    "bucket_reduce_scatters_fx": "none",
+    "bucket_all_reduces_fx": "none",
+    "dedup_reduce_scatters": False,
+    "_fuse_ddp_communication": False,
+    "_micro_pipeline_tp": False,
+    "aten_distributed_optimizations.enable_overlap_scheduling": False,
+    "aten_distributed_optimizations.collective_bucketing": False,
+    "aten_distributed_optimizations.allow_comms_decompositions": False,
+    "aten_distributed_optimizations.enable_low_contention_collectives": False,
+}
+
+
 def graph_fingerprint(gm: fx.GraphModule) -> str:
     """Hash of the op sequence only: shapes may differ across ranks (uneven shards), ops may not."""
     ops = "\n".join(f"{node.op}:{getattr(node.target, '__name__', node.target)}" for node in gm.graph.nodes)
@@ -90,20 +134,38 @@ def check_same_graph_on_all_ranks(gm: fx.GraphModule) -> None:
 
 
 def fsdp_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
-    """Compile a Dynamo graph of an FSDP model: check ranks agree, tag recompute, hand to Inductor."""
+    """Compile a Dynamo graph of an FSDP model: check ranks agree, tag recompute, hand to Inductor
+    with our post-grad passes (bucket, reorder) and Inductor's own comm passes off."""
     from torch._inductor.compile_fx import compile_fx
+
+    from fsdp_compile import config
 
     check_same_graph_on_all_ranks(gm)
     config_patches = {
         "joint_custom_pre_pass": _RecomputeReshardedParams(),
-        # Only our passes decide collective placement (DESIGN.md section 5).
-        "reorder_for_compute_comm_overlap": False,
+        "post_grad_custom_post_pass": _PostGradPasses(config.passes.resolved()),
+        **_inductor_comm_passes_off(),
     }
     return compile_fx(gm, example_inputs, config_patches=config_patches)
 
 
+def _inductor_comm_passes_off() -> dict[str, Any]:
+    """The knobs of ``INDUCTOR_COMM_PASSES_OFF`` that this torch version has."""
+    import torch._inductor.config as inductor_config
+
+    present = {}
+    for name, value in INDUCTOR_COMM_PASSES_OFF.items():
+        owner: Any = inductor_config
+        *parents, leaf = name.split(".")
+        for parent in parents:
+            owner = getattr(owner, parent, None)
+        if owner is not None and hasattr(owner, leaf):
+            present[name] = value
+    return present
+
+
 def fsdp_aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
-    """``fsdp_inductor``'s checks and joint-graph passes, with the partitioned graphs run eagerly.
+    """``fsdp_inductor``'s checks and graph passes, with the partitioned graphs run eagerly.
 
     For debugging and graph tests: no code generation, the same forward/backward split.
     """
@@ -111,7 +173,11 @@ def fsdp_aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: 
     from torch._functorch.aot_autograd import aot_module_simplified
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
+    from fsdp_compile import config
+    from fsdp_compile.passes import apply_post_grad_passes
+
     check_same_graph_on_all_ranks(gm)
+    pass_config = config.passes.resolved()
 
     def partition(joint: fx.GraphModule, joint_inputs: Any, **partition_kwargs: Any) -> Any:
         _tag_recompute(joint.graph)
@@ -119,6 +185,7 @@ def fsdp_aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: 
 
     def run_eagerly(kind: str) -> Callable[[fx.GraphModule, Any], Any]:
         def compiler(graph: fx.GraphModule, inputs: Any) -> Any:
+            graph = apply_post_grad_passes(graph, pass_config)
             _notify(kind, graph)
             return make_boxed_func(graph.forward)
 

@@ -12,3 +12,47 @@ __all__ = ["skip_fsdp_hooks"]
 # Under torch.compile, run the FSDP hooks eagerly between compiled regions (graph breaks)
 # instead of tracing collectives into the graph. Numerics equal the eager runtime.
 skip_fsdp_hooks: bool = False
+
+
+# --- Graph passes of backend="fsdp_inductor" / "fsdp_aot_eager" (DESIGN.md section 5) ---------------
+
+import os as _os  # noqa: E402
+from dataclasses import dataclass as _dataclass  # noqa: E402
+
+
+@_dataclass(frozen=True)
+class PassConfig:
+    """Knobs of the post-grad passes; read once when the backend compiles a graph.
+
+    Example::
+
+        fsdp_compile.config.passes = fsdp_compile.config.PassConfig(prefetch_depth=2)
+    """
+
+    # One all-gather and one reduce-scatter (plus one HSDP all-reduce) per fully_shard group.
+    bucket: bool = True
+    # Merge adjacent groups' buckets while the merged bucket's unsharded bytes stay <= this cap.
+    # 0 keeps exactly one bucket per group (what eager FSDP does).
+    merge_small_groups_bytes: int = 0
+    # Issue all-gathers ahead of use and reduce-scatter waits late (passes/reorder.py: not written
+    # yet, True raises NotImplementedError).
+    reorder: bool = False
+    # Forward: how many groups ahead an all-gather is issued (0: at first use, no overlap).
+    prefetch_depth: int = 1
+    # Never hold more than this many bytes of gathered (unsharded) buckets that are issued but not
+    # yet consumed; None: no limit. A prefetch that would exceed it waits until a bucket is consumed.
+    max_inflight_bytes: int | None = None
+    # FSDP_COMPILE_DUMP=dir: each graph before and after each pass, plus a collectives timeline.
+    dump_dir: str | None = None
+
+    def resolved(self) -> "PassConfig":
+        """This config with ``dump_dir`` taken from ``FSDP_COMPILE_DUMP`` when unset."""
+        if self.dump_dir is None and _os.environ.get("FSDP_COMPILE_DUMP"):
+            from dataclasses import replace
+
+            return replace(self, dump_dir=_os.environ["FSDP_COMPILE_DUMP"])
+        return self
+
+
+passes: PassConfig = PassConfig()
+__all__ += ["PassConfig", "passes"]

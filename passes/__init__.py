@@ -1,4 +1,36 @@
 """FX graph passes of the fsdp_inductor backend, importable as ``fsdp_compile.passes``.
 
-Each pass is a pure function ``(GraphModule, PassConfig) -> GraphModule`` (DESIGN.md section 5).
+Each pass is a pure function ``(GraphModule, PassConfig) -> GraphModule`` (DESIGN.md section 5):
+
+- ``recompute.py`` (joint graph): resharding groups re-all-gather in backward.
+- ``bucket.py`` (post-grad): one all-gather / reduce-scatter per ``fully_shard`` group.
+- ``reorder.py`` (post-grad): prefetch all-gathers, wait late, under an in-flight byte budget
+  (not written yet: ``PassConfig.reorder=True`` raises).
+- ``dump.py``: ``FSDP_COMPILE_DUMP=dir`` writes graphs and timelines around each pass.
 """
+from __future__ import annotations
+
+import torch.fx as fx
+
+__all__ = ["apply_post_grad_passes"]
+
+
+def apply_post_grad_passes(gm: fx.GraphModule, config) -> fx.GraphModule:
+    """Run bucket then reorder on a partitioned forward or backward graph, dumping around each.
+
+    Example::
+
+        gm = apply_post_grad_passes(backward_graph_module, fsdp_compile.config.passes)
+    """
+    from fsdp_compile.passes.bucket import bucket_collectives
+    from fsdp_compile.passes.dump import dump_graph, graph_kind
+    from fsdp_compile.passes.reorder import reorder_collectives
+
+    config = config.resolved()
+    kind = graph_kind(gm)
+    dump_graph(gm, kind, "0-input", config)
+    gm = bucket_collectives(gm, config)
+    dump_graph(gm, kind, "1-after-bucket", config)
+    gm = reorder_collectives(gm, config)
+    dump_graph(gm, kind, "2-after-reorder", config)
+    return gm

@@ -27,22 +27,28 @@ def _ops(graph_module, name):
     return [n for n in graph_module.graph.nodes if n.op == "call_function" and name in str(n.target)]
 
 
-def _traced_graphs(reshard_root=None):
+def _traced_graphs(reshard_root=None, passes=None):
     torch.manual_seed(0)
     model = Transformer(CONFIG)
     for layer in model.layers:
         fsdp_compile.fully_shard(layer)
     fsdp_compile.fully_shard(model, reshard_after_forward=reshard_root)
-    with observe_graphs() as graphs:
-        compiled = torch.compile(model, backend="fsdp_aot_eager", fullgraph=True)
-        compiled(torch.randint(0, CONFIG.vocab_size, (2, 8))).sum().backward()
+    previous = fsdp_compile.config.passes
+    fsdp_compile.config.passes = passes or previous
+    try:
+        with observe_graphs() as graphs:
+            compiled = torch.compile(model, backend="fsdp_aot_eager", fullgraph=True)
+            compiled(torch.randint(0, CONFIG.vocab_size, (2, 8))).sum().backward()
+    finally:
+        fsdp_compile.config.passes = previous
     forward = next(g for kind, g in graphs if kind == "forward")
     backward = next(g for kind, g in graphs if kind == "backward")
     return model, forward, backward
 
 
 def test_graphs_hold_one_all_gather_per_parameter_and_one_reduce_scatter_per_read(fake_world):
-    model, forward, backward = _traced_graphs()
+    # The graphs as traced, before bucketing (tests/test_passes_bucket.py covers the bucketed ones).
+    model, forward, backward = _traced_graphs(passes=fsdp_compile.config.PassConfig(bucket=False, reorder=False))
     params = list(model.parameters())
     gathers = _ops(forward, "all_gather_into_tensor")
     scatters = _ops(backward, "reduce_scatter_tensor")

@@ -1,0 +1,304 @@
+"""Post-grad pass: one all-gather and one reduce-scatter per ``fully_shard`` group.
+
+Expects a partitioned forward or backward graph (AOTAutograd's, before or after Inductor's
+decompositions) whose per-parameter collectives carry ``node.meta["custom"]["fsdp_group"]``
+(``fsdp_compile.traceable``). Leaves, per group (and per process group and dtype), one
+collective on a flat bucket; the pad and ``param_dtype`` / ``reduce_dtype`` casts stay
+per-parameter producers of the copy-in ``cat``, so Inductor fuses them into the one kernel that
+writes the bucket and no full-precision copy of the bucket exists::
+
+    before:  cast(p0) -> ag -> wait -> use0 ...  cast(p1) -> ag -> wait -> use1
+    after:   cat(cast(p0), cast(p1)) -> ag -> wait -> [world, total] -> split/reshape -> use0, use1
+    (backward) grads g0, g1 -> cat per rank row -> reduce_scatter -> wait [-> all_reduce -> wait] -> split
+
+The bucketed all-gather sits where the group's first all-gather was (its shard inputs are
+hoisted above it); the bucketed reduce-scatter right after the group's last gradient (readers of
+the reduced shards that came earlier are moved after it). With ``merge_small_groups_bytes``
+adjacent buckets merge while their unsharded size stays under the cap.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from fsdp_compile.config import PassConfig
+from fsdp_compile.passes.recompute import fsdp_annotation
+
+__all__ = ["bucket_collectives", "ALL_GATHER", "REDUCE_SCATTER", "ALL_REDUCE", "WAIT", "collective_nodes"]
+
+log = logging.getLogger(__name__)
+
+_c10d = torch.ops._c10d_functional
+ALL_GATHER = _c10d.all_gather_into_tensor.default
+REDUCE_SCATTER = _c10d.reduce_scatter_tensor.default
+ALL_REDUCE = _c10d.all_reduce.default
+WAIT = _c10d.wait_tensor.default
+_aten = torch.ops.aten
+
+
+def _force_stride_op() -> Any:
+    import torch._inductor.inductor_prims as inductor_prims
+
+    return inductor_prims.force_stride_order
+
+
+_FORCE_STRIDE = _force_stride_op()
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> list[int]:
+    strides, running = [], 1
+    for size in reversed(shape):
+        strides.append(running)
+        running *= max(size, 1)
+    return list(reversed(strides))
+
+
+def collective_nodes(graph: fx.Graph, target: Any) -> list[fx.Node]:
+    return [n for n in graph.nodes if n.op == "call_function" and n.target is target]
+
+
+@dataclass
+class _Member:
+    collective: fx.Node
+    wait: fx.Node
+    result: fx.Node  # what readers use: the wait, or for HSDP the all-reduce's wait
+    numel: int  # per-rank elements of this member in the flat bucket
+
+
+@dataclass
+class _Bucket:
+    key: tuple
+    groups: list[str]
+    members: list[_Member] = field(default_factory=list)
+
+    def numel(self) -> int:
+        return sum(m.numel for m in self.members)
+
+
+def _val(node: Any) -> Any:
+    return node.meta.get("val") if isinstance(node, fx.Node) else node
+
+
+def _single_wait(node: fx.Node) -> fx.Node | None:
+    users = list(node.users)
+    if len(users) == 1 and users[0].target is WAIT:
+        return users[0]
+    return None
+
+
+def _new_node(graph: fx.Graph, target: Any, args: tuple, annotation: dict | None) -> fx.Node:
+    """A call_function node with ``meta["val"]`` computed on the inputs' fake tensors (Inductor needs it)."""
+    node = graph.call_function(target, args)
+    inputs = node.all_input_nodes
+    if all("val" in i.meta for i in inputs):
+        values = fx.node.map_arg(args, _val)
+        fake_mode = torch._guards.detect_fake_mode([i.meta["val"] for i in inputs])
+        if fake_mode is not None:
+            with fake_mode:
+                node.meta["val"] = target(*values)
+    if annotation is not None:
+        node.meta["custom"] = annotation
+    return node
+
+
+def _bucket_annotation(bucket: _Bucket, kind: str) -> dict:
+    first = fsdp_annotation(bucket.members[0].collective) or {}
+    return {
+        "fsdp": True,
+        "fsdp_group": "+".join(bucket.groups),
+        "fsdp_groups": tuple(bucket.groups),
+        "fsdp_bucket": kind,
+        "fsdp_params": tuple(str((fsdp_annotation(m.collective) or {}).get("fsdp_param")) for m in bucket.members),
+        "fsdp_reshard_after_forward": first.get("fsdp_reshard_after_forward"),
+    }
+
+
+def _shape(node: fx.Node) -> tuple[int, ...]:
+    return tuple(int(s) for s in node.meta["val"].shape)
+
+
+def _collect(graph: fx.Graph, target: Any, config: PassConfig) -> list[_Bucket]:
+    """Per-group buckets of annotated collectives, in order of each group's first collective."""
+    buckets: dict[tuple, _Bucket] = {}
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target is not target:
+            continue
+        annotation = fsdp_annotation(node)
+        wait = _single_wait(node)
+        if annotation is None or wait is None or "fsdp_bucket" in annotation:
+            continue
+        source = node.args[0]
+        if not isinstance(source, fx.Node) or "val" not in source.meta or "val" not in wait.meta:
+            continue
+        result = wait
+        if target is REDUCE_SCATTER:
+            reduce_op, world, group_name = node.args[1], node.args[2], node.args[3]
+            users = list(wait.users)
+            # HSDP: the reduced shard is all-reduced across replicas; bucket that too.
+            if len(users) == 1 and users[0].target is ALL_REDUCE and _single_wait(users[0]) is not None:
+                all_reduce = users[0]
+                result = _single_wait(all_reduce)
+                replicate = (all_reduce.args[1], all_reduce.args[2])
+            else:
+                replicate = None
+            key = (target, annotation["fsdp_group"], reduce_op, world, group_name, replicate, source.meta["val"].dtype)
+            numel = math.prod(_shape(wait))
+        else:
+            world, group_name = node.args[1], node.args[2]
+            key = (target, annotation["fsdp_group"], world, group_name, source.meta["val"].dtype)
+            numel = math.prod(_shape(source))
+        bucket = buckets.setdefault(key, _Bucket(key, [annotation["fsdp_group"]]))
+        bucket.members.append(_Member(node, wait, result, numel))
+    ordered = list(buckets.values())
+    if target is REDUCE_SCATTER:  # a reduce-scatter bucket goes out after its last gradient
+        position = {n: i for i, n in enumerate(graph.nodes)}
+        ordered.sort(key=lambda b: max(position[m.collective] for m in b.members))
+    return _merge_small(ordered, config)
+
+
+def _merge_small(buckets: list[_Bucket], config: PassConfig) -> list[_Bucket]:
+    cap = config.merge_small_groups_bytes
+    if cap <= 0:
+        return buckets
+    merged: list[_Bucket] = []
+    for bucket in buckets:
+        previous = merged[-1] if merged else None
+        if previous is not None and previous.key[:1] + previous.key[2:] == bucket.key[:1] + bucket.key[2:]:
+            world = bucket.key[3] if bucket.key[0] is REDUCE_SCATTER else bucket.key[2]
+            itemsize = bucket.key[-1].itemsize
+            if (previous.numel() + bucket.numel()) * world * itemsize <= cap:
+                previous.groups.extend(bucket.groups)
+                previous.members.extend(bucket.members)
+                continue
+        merged.append(_Bucket(bucket.key, list(bucket.groups), list(bucket.members)))
+    return merged
+
+
+def _hoist_above(node: fx.Node, anchor: fx.Node, position: dict[fx.Node, float]) -> bool:
+    """Move ``node`` and the inputs it needs above ``anchor``; False if one of them cannot move."""
+    if position[node] < position[anchor]:
+        return True
+    if node.op != "call_function" or node.is_impure() or node.target in (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, WAIT):
+        return False
+    if not all(_hoist_above(i, anchor, position) for i in node.all_input_nodes):
+        return False
+    anchor.prepend(node)
+    position[node] = position[anchor] - 0.5
+    return True
+
+
+def _bucket_all_gather(graph: fx.Graph, bucket: _Bucket) -> bool:
+    position: dict[fx.Node, float] = {n: float(i) for i, n in enumerate(graph.nodes)}
+    anchor = min((m.collective for m in bucket.members), key=position.__getitem__)
+    if not all(_hoist_above(m.collective.args[0], anchor, position) for m in bucket.members):
+        log.warning("fsdp bucket: cannot bucket all-gathers of %s (inputs computed late); left per parameter", bucket.groups)
+        return False
+    _, _, world, group_name, _ = bucket.key
+    annotation = _bucket_annotation(bucket, "all_gather")
+    total = bucket.numel()
+    with graph.inserting_before(anchor):
+        flats = [_new_node(graph, _aten.reshape.default, (m.collective.args[0], [-1]), annotation) for m in bucket.members]
+        copy_in = _new_node(graph, _aten.cat.default, (flats,), annotation) if len(flats) > 1 else flats[0]
+        gathered = _new_node(graph, ALL_GATHER, (copy_in, world, group_name), annotation)
+        waited = _new_node(graph, WAIT, (gathered,), annotation)
+        rows = _new_node(graph, _aten.view.default, (waited, [world, total]), annotation)
+        offset = 0
+        for member in bucket.members:
+            columns = _new_node(graph, _aten.slice.Tensor, (rows, 1, offset, offset + member.numel), annotation)
+            unsharded = _new_node(graph, _aten.reshape.default, (columns, list(_shape(member.wait))), annotation)
+            # Pin the copy-out to the contiguous layout the per-parameter gather had: left free, Inductor
+            # may lay it out for its consumer (a transposed mm operand) and change the GEMM's rounding.
+            unsharded = _new_node(graph, _FORCE_STRIDE, (unsharded, _contiguous_strides(_shape(member.wait))), annotation)
+            offset += member.numel
+            member.wait.replace_all_uses_with(unsharded)
+    for member in bucket.members:
+        graph.erase_node(member.wait)
+        graph.erase_node(member.collective)
+    return True
+
+
+def _dependents(nodes: list[fx.Node]) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    frontier = list(nodes)
+    while frontier:
+        for user in frontier.pop().users:
+            if user not in seen:
+                seen.add(user)
+                frontier.append(user)
+    return seen
+
+
+def _bucket_reduce_scatter(graph: fx.Graph, bucket: _Bucket) -> bool:
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    grads = [m.collective.args[0] for m in bucket.members]
+    anchor = max(grads, key=position.__getitem__)
+    old = [n for m in bucket.members for n in _chain(m)]
+    dependents = _dependents(old) - set(old)
+    if any(g in dependents for g in grads):
+        log.warning("fsdp bucket: gradients of %s depend on each other's reduction; left per parameter", bucket.groups)
+        return False
+    _, _, reduce_op, world, group_name, replicate, _ = bucket.key
+    annotation = _bucket_annotation(bucket, "reduce_scatter")
+    total = bucket.numel()
+    cursor = anchor  # each new node goes right after the previous one
+
+    def emit(target: Any, args: tuple) -> fx.Node:
+        nonlocal cursor
+        with graph.inserting_after(cursor):
+            cursor = _new_node(graph, target, args, annotation)
+        return cursor
+
+    per_rank = [emit(_aten.reshape.default, (g, [world, m.numel])) for g, m in zip(grads, bucket.members)]
+    copy_in = emit(_aten.cat.default, (per_rank, 1)) if len(per_rank) > 1 else per_rank[0]
+    flat = emit(_aten.reshape.default, (copy_in, [world * total]))
+    reduced = emit(WAIT, (emit(REDUCE_SCATTER, (flat, reduce_op, world, group_name)),))
+    if replicate is not None:
+        reduced = emit(WAIT, (emit(ALL_REDUCE, (reduced, replicate[0], replicate[1])),))
+    offset = 0
+    for member in bucket.members:
+        piece = emit(_aten.slice.Tensor, (reduced, 0, offset, offset + member.numel))
+        shard = emit(_aten.view.default, (piece, list(_shape(member.result))))
+        offset += member.numel
+        member.result.replace_all_uses_with(shard)
+    # Readers of a reduced shard that sat between its old collective and the last gradient move after the bucket.
+    for node in [n for n in graph.nodes if n in dependents and position.get(n, -1) < position[anchor]]:
+        cursor.append(node)
+        cursor = node
+    for member in bucket.members:
+        for node in reversed(_chain(member)):
+            graph.erase_node(node)
+    return True
+
+
+def _chain(member: _Member) -> list[fx.Node]:
+    chain = [member.collective, member.wait]
+    if member.result is not member.wait:
+        chain += [member.result.args[0], member.result]
+    return chain
+
+
+def bucket_collectives(gm: fx.GraphModule, config: PassConfig) -> fx.GraphModule:
+    """Bucket the annotated all-gathers and reduce-scatters of ``gm`` per group (see module docstring).
+
+    Example::
+
+        gm = bucket_collectives(forward_graph_module, PassConfig())
+        # len(collective_nodes(gm.graph, ALL_GATHER)) == number of fully_shard groups read
+    """
+    if not config.bucket:
+        return gm
+    graph = gm.graph
+    changed = False
+    for bucket in _collect(graph, ALL_GATHER, config):
+        changed |= _bucket_all_gather(graph, bucket)
+    for bucket in _collect(graph, REDUCE_SCATTER, config):
+        changed |= _bucket_reduce_scatter(graph, bucket)
+    if changed:
+        graph.lint()
+        gm.recompile()
+    return gm

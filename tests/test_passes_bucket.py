@@ -1,0 +1,113 @@
+"""passes/bucket.py on graphs traced with a fake process group (world 8 and 64), in one process."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import fsdp_compile
+from fsdp_compile.backend import observe_graphs
+from fsdp_compile.config import PassConfig
+from fsdp_compile.models import Transformer, TransformerConfig
+from fsdp_compile.passes.bucket import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, collective_nodes
+from fsdp_compile.passes.recompute import fsdp_annotation
+
+CONFIG = TransformerConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=16)
+GROUPS = {"Transformer", "layers.0", "layers.1"}
+
+
+@pytest.fixture(params=[8, 64])
+def fake_world(request):
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=request.param)
+    torch._dynamo.reset()
+    yield request.param
+    torch._dynamo.reset()
+    dist.destroy_process_group()
+
+
+def _graphs(passes: PassConfig, mp_policy=None, mesh=None):
+    torch._dynamo.reset()  # every call traces afresh (the same model class would hit Dynamo's cache)
+    torch.manual_seed(0)
+    model = Transformer(CONFIG)
+    kwargs = {"mp_policy": mp_policy or fsdp_compile.MixedPrecisionPolicy()}
+    if mesh is not None:
+        kwargs["mesh"] = mesh
+    for layer in model.layers:
+        fsdp_compile.fully_shard(layer, **kwargs)
+    fsdp_compile.fully_shard(model, **kwargs)
+    previous = fsdp_compile.config.passes
+    fsdp_compile.config.passes = passes
+    try:
+        with observe_graphs() as graphs:
+            torch.compile(model, backend="fsdp_aot_eager", fullgraph=True)(torch.randint(0, 64, (2, 8))).sum().backward()
+    finally:
+        fsdp_compile.config.passes = previous
+    forward = next(g for kind, g in graphs if kind == "forward")
+    backward = next(g for kind, g in graphs if kind == "backward")
+    return forward, backward
+
+
+def _groups(nodes):
+    return [fsdp_annotation(n)["fsdp_group"] for n in nodes]
+
+
+def test_bucketing_leaves_one_all_gather_and_one_reduce_scatter_per_group(fake_world):
+    forward, backward = _graphs(PassConfig(reorder=False))
+    assert _groups(collective_nodes(forward.graph, ALL_GATHER)) == ["Transformer", "layers.0", "layers.1"]
+    # Blocks reshard after forward: backward re-gathers them, one bucket each, last block first.
+    assert _groups(collective_nodes(backward.graph, ALL_GATHER)) == ["layers.1", "layers.0"]
+    # Each reduce-scatter goes out after its group's last gradient: the root's (embedding) is last.
+    assert _groups(collective_nodes(backward.graph, REDUCE_SCATTER)) == ["layers.1", "layers.0", "Transformer"]
+    assert all(n.args[1] == fake_world for n in collective_nodes(forward.graph, ALL_GATHER))
+
+
+def test_bucketed_collectives_move_every_parameter_of_the_group(fake_world):
+    unbucketed, _ = _graphs(PassConfig(bucket=False, reorder=False))
+    forward, _ = _graphs(PassConfig(reorder=False))
+    per_param = sum(n.meta["val"].numel() for n in collective_nodes(unbucketed.graph, ALL_GATHER))
+    bucketed = sum(n.meta["val"].numel() for n in collective_nodes(forward.graph, ALL_GATHER))
+    assert bucketed == per_param
+
+
+def test_mixed_precision_casts_feed_the_copy_in_per_parameter(fake_world):
+    policy = fsdp_compile.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    forward, backward = _graphs(PassConfig(reorder=False), mp_policy=policy)
+    for gather in collective_nodes(forward.graph, ALL_GATHER):
+        copy_in = gather.args[0]
+        assert copy_in.target is torch.ops.aten.cat.default and copy_in.meta["val"].dtype == torch.bfloat16
+        # The cast happens on each shard before the cat: no fp32 bucket-sized temporary.
+        assert all(piece.meta["val"].numel() * fake_world < gather.meta["val"].numel() * 2 for piece in copy_in.args[0])
+    for scatter in collective_nodes(backward.graph, REDUCE_SCATTER):
+        assert scatter.args[0].meta["val"].dtype == torch.float32
+
+
+def test_merge_small_groups_under_a_byte_cap(fake_world):
+    forward, backward = _graphs(PassConfig(reorder=False, merge_small_groups_bytes=1 << 40))
+    assert len(collective_nodes(forward.graph, ALL_GATHER)) == 1
+    assert set(_groups(collective_nodes(forward.graph, ALL_GATHER))[0].split("+")) == GROUPS
+    assert len(collective_nodes(backward.graph, REDUCE_SCATTER)) == 1
+    forward, _ = _graphs(PassConfig(reorder=False, merge_small_groups_bytes=1))
+    assert len(collective_nodes(forward.graph, ALL_GATHER)) == 3
+
+
+def test_hsdp_all_reduces_are_bucketed_per_group():
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    torch._dynamo.reset()
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("replicate", "shard"))
+        _, backward = _graphs(PassConfig(reorder=False), mesh=mesh)
+    finally:
+        torch._dynamo.reset()
+        dist.destroy_process_group()
+    assert len(collective_nodes(backward.graph, REDUCE_SCATTER)) == 3
+    assert len(collective_nodes(backward.graph, ALL_REDUCE)) == 3
+
+
+def test_bucketing_yields_the_same_graph_every_time(fake_world):
+    first, first_backward = _graphs(PassConfig(reorder=False))
+    second, second_backward = _graphs(PassConfig(reorder=False))
+    assert first.code == second.code
+    assert first_backward.code == second_backward.code
