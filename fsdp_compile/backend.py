@@ -9,7 +9,6 @@ import contextlib
 import hashlib
 from typing import Any, Callable, Iterator, Sequence
 
-import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass

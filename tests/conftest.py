@@ -126,3 +126,17 @@ def dist() -> PoolRegistry:
     registry = PoolRegistry()
     yield registry
     registry.close()
+
+
+@pytest.fixture(params=[8, 64])
+def fake_world(request):
+    """One in-process rank of a fake process group of 8 or 64 ranks, for tracing graphs."""
+    import torch
+    import torch.distributed as torch_dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    torch_dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=request.param)
+    torch._dynamo.reset()
+    yield request.param
+    torch._dynamo.reset()
+    torch_dist.destroy_process_group()

@@ -1,13 +1,12 @@
 """The compiled path: fsdp_inductor, the skip_fsdp_hooks fallback and compiled autograd vs our eager runtime."""
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.distributed as dist
 
 import fsdp_compile
 from fsdp_compile.models import next_token_loss
-from fsdp_testing import SMALL, build_reference, global_batches, local_part, make_optimizer, shard_model, sharded_copy
+from fsdp_testing import build_reference, global_batches, local_part, make_optimizer, shard_model, sharded_copy
 
 STEPS = 3
 

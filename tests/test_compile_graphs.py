@@ -1,10 +1,7 @@
 """Traced graphs of the compiled path, in one process with a fake process group (world 8 and 64)."""
 from __future__ import annotations
 
-import pytest
 import torch
-import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp_compile
 from fsdp_compile.backend import graph_fingerprint, observe_graphs
@@ -12,15 +9,6 @@ from fsdp_compile.models import Transformer, TransformerConfig
 from fsdp_compile.passes.recompute import fsdp_annotation
 
 CONFIG = TransformerConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=16)
-
-
-@pytest.fixture(params=[8, 64])
-def fake_world(request):
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=request.param)
-    torch._dynamo.reset()
-    yield request.param
-    torch._dynamo.reset()
-    dist.destroy_process_group()
 
 
 def _ops(graph_module, name):

@@ -6,11 +6,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import fsdp_compile
 from fsdp_compile import fully_shard
-from fsdp_compile.models import Transformer, next_token_loss
+from fsdp_compile.models import Transformer
 from fsdp_compile.module import check_param_device
-from fsdp_testing import SMALL, build_reference, global_batches, local_part, shard_model
+from fsdp_testing import SMALL, build_reference, global_batches, shard_model
 
 
 def _raises(action) -> str:
