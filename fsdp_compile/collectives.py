@@ -27,7 +27,7 @@ __all__ = [
 ]
 
 # torch 2.13 renamed the tensor collectives; 2.11 has only the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
@@ -36,10 +36,13 @@ class CollectiveRecord:
     """One collective as issued: its kind, the group's label, bytes moved from this rank and why."""
 
     kind: str  # "all_gather" | "reduce_scatter" | "all_reduce"
-    group: str
+    group: str  # the group's label; for the per-parameter gathers of state dicts and
+    # unshard_params, the parameter's name inside its fully_shard module
     numel: int
     dtype: torch.dtype
-    reason: str  # e.g. "forward", "forward-prefetch", "backward", "backward-prefetch", "explicit"
+    # "forward", "forward-prefetch", "backward", "backward-prefetch", "explicit", "state_dict",
+    # "unshard_params", "unshard_params-grad"
+    reason: str
 
 
 _active_recorders: list[list[CollectiveRecord]] = []
@@ -63,7 +66,8 @@ def record_collectives() -> Iterator[list[CollectiveRecord]]:
         _active_recorders.remove(log)
 
 
-def _record(record: CollectiveRecord) -> None:
+def record(record: CollectiveRecord) -> None:
+    """Append ``record`` to every open ``record_collectives()`` log."""
     for log in _active_recorders:
         log.append(record)
 
@@ -131,11 +135,11 @@ def issue_all_gather(
     with device_handle.on_stream(stream):
         device_handle.wait_event(wait_event, stream)
         ops.all_gather_copy_in(shards, padded_numels, output[rank])
-        _record(CollectiveRecord("all_gather", label, total, dtype, reason))
+        record(CollectiveRecord("all_gather", label, total, dtype, reason))
         if world_size == 1:
             return PendingAllGather(None, output, label)
         try:
-            work = _all_gather_single(output.view(-1), output[rank], group=group, async_op=True)
+            work = all_gather_single(output.view(-1), output[rank], group=group, async_op=True)
         except Exception as error:  # noqa: BLE001
             _raise_collective_error("all-gather", label, error)
     return PendingAllGather(work, output, label)
@@ -175,7 +179,7 @@ def issue_reduce_scatter(
         for grad in grads:
             # The compute stream frees these grads once we return; the copy-in may still read them.
             device_handle.keep_alive_on(grad, stream)
-        _record(CollectiveRecord("reduce_scatter", label, total * world_size, reduce_dtype, "backward"))
+        record(CollectiveRecord("reduce_scatter", label, total * world_size, reduce_dtype, "backward"))
         if world_size == 1:
             return PendingReduceScatter(None, reduce_input.view(-1), label)
         output = torch.empty((total,), dtype=reduce_dtype, device=device)
@@ -188,7 +192,7 @@ def issue_reduce_scatter(
 
 def all_reduce_replicas(tensor: torch.Tensor, group: dist.ProcessGroup, label: str) -> None:
     """HSDP: sum the reduce-scattered shard across replicas (blocking)."""
-    _record(CollectiveRecord("all_reduce", label, tensor.numel(), tensor.dtype, "backward"))
+    record(CollectiveRecord("all_reduce", label, tensor.numel(), tensor.dtype, "backward"))
     try:
         dist.all_reduce(tensor, group=group)
     except Exception as error:  # noqa: BLE001

@@ -15,16 +15,20 @@ registers four hooks on each module it takes (``register_state_dict_hooks``):
 Each hook handles exactly "its" entries: its group's parameters, plus the buffers and unmanaged
 parameters of its subtree that no nested ``fully_shard`` module owns.
 
-``torch.compile(model)`` returns a wrapper whose ``state_dict()`` prefixes every key with
-``_orig_mod.``, like any wrapper module; nn.Module hands each child only the keys under its
-prefix, so un-prefixed keys cannot be accepted from here. The original FQNs come from
-``torch.distributed.checkpoint.state_dict.get_state_dict`` (which strips the prefix, and
-``set_state_dict`` restores it) or from compiling in place with ``model.compile()``.
+``torch.compile(model)`` returns a wrapper (``OptimizedModule``) that holds the model as its
+child ``_orig_mod``, so nn.Module would prefix every key with ``_orig_mod.``. A global
+module-registration hook (installed by the first ``fully_shard``) sees the wrapper adopt a model
+with ``fully_shard`` modules and gives the wrapper two hooks: after save, strip the prefix; before
+load, add it to keys that lack it. Both spellings load; ``get_state_dict`` / ``set_state_dict``
+and ``model.compile()`` (in place, no wrapper) give the original names as well. DCP's
+``get_state_dict`` is the one caller that is handed the prefixed keys: it maps them itself.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
+import sys
 import warnings
 import weakref
 from typing import Any, Iterator
@@ -42,14 +46,15 @@ from fsdp_compile.api import (
     StateDictSettings,
     StateDictType,
 )
+from fsdp_compile.collectives import CollectiveRecord, all_gather_single, record
 from fsdp_compile.param import FSDPParam, shard_rows
 from fsdp_compile.param_group import TrainingState
 from fsdp_compile.state import FSDPState, all_states_under, state_of
 
 __all__ = ["state_dict_type", "get_state_dict_type", "unshard_params", "register_state_dict_hooks"]
 
-# torch 2.13 renamed the tensor collectives; 2.11 has only the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_COMPILE_WRAPPER_CHILD = "_orig_mod"
+
 
 _DEFAULT_SETTINGS = StateDictSettings(StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig())
 _CONFIG_CLASS = {
@@ -124,6 +129,74 @@ def register_state_dict_hooks(state: FSDPState) -> None:
         module.register_state_dict_post_hook(functools.partial(_post_state_dict_hook, state, index))
         module.register_load_state_dict_pre_hook(functools.partial(_pre_load_state_dict_hook, state, index))
         module.register_load_state_dict_post_hook(functools.partial(_post_load_state_dict_hook, state))
+    _install_compile_wrapper_hook()
+
+
+@functools.cache
+def _install_compile_wrapper_hook() -> None:
+    """Once per process: see the note above on ``torch.compile(model)``'s ``_orig_mod.`` prefix."""
+    nn.modules.module.register_module_module_registration_hook(_on_module_registered)
+
+
+def _on_module_registered(parent: nn.Module, name: str, child: nn.Module | None) -> None:
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    if name != _COMPILE_WRAPPER_CHILD or not isinstance(parent, OptimizedModule) or child is None:
+        return
+    if not all_states_under([child]):
+        return
+    parent.register_state_dict_post_hook(_strip_compile_wrapper_prefix)
+    parent.register_load_state_dict_pre_hook(_add_compile_wrapper_prefix)
+
+
+def _inside_dcp_get_state_dict() -> bool:
+    """Whether DCP's ``get_state_dict`` helper is asking: it maps the wrapper's keys to FQNs itself
+    and asserts that the ``_orig_mod`` prefix is there, so it must get them as nn.Module makes them."""
+    from torch.distributed.checkpoint import state_dict as dcp_state_dict
+
+    helper = getattr(dcp_state_dict, "_get_model_state_dict", None)
+    helper_code = getattr(inspect.unwrap(helper), "__code__", None) if helper is not None else None
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is helper_code:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _strip_compile_wrapper_prefix(module: nn.Module, destination: dict, prefix: str, local_metadata: dict) -> None:
+    if _inside_dcp_get_state_dict():
+        return
+    wrapped = prefix + _COMPILE_WRAPPER_CHILD + "."
+    entries = list(destination.items())
+    destination.clear()  # re-inserted below, so the keys keep their order
+    for key, value in entries:
+        destination[prefix + key[len(wrapped):] if key.startswith(wrapped) else key] = value
+    metadata = getattr(destination, "_metadata", None)
+    if metadata is None:
+        return
+    entries = list(metadata.items())
+    metadata.clear()
+    for key, value in entries:
+        if key == prefix + _COMPILE_WRAPPER_CHILD:
+            key = prefix[:-1]  # the wrapped model's own version entry replaces the wrapper's
+        elif key.startswith(wrapped):
+            key = prefix + key[len(wrapped):]
+        metadata[key] = value
+
+
+def _add_compile_wrapper_prefix(
+    module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, strict: bool,
+    missing_keys: list, unexpected_keys: list, error_msgs: list,
+) -> None:
+    wrapped = prefix + _COMPILE_WRAPPER_CHILD + "."
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(wrapped)]:
+        state_dict[wrapped + key[len(prefix):]] = state_dict.pop(key)
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        for key in [k for k in metadata if k.startswith(prefix) and not k.startswith(wrapped[:-1])]:
+            relative = key[len(prefix):]
+            metadata.setdefault(wrapped + relative if relative else wrapped[:-1], metadata[key])
 
 
 def _reshard_for(state: FSDPState, action: str) -> None:
@@ -184,7 +257,7 @@ def _post_state_dict_hook(state: FSDPState, index: int, module: nn.Module, desti
         if fsdp_param is not None:
             if kind == StateDictType.FULL_STATE_DICT:
                 # Every rank takes part in the all-gather, also those that drop the result.
-                value = _gather_full(fsdp_param.local_shard(), fsdp_param).detach()
+                value = _gather_full(fsdp_param.local_shard(), fsdp_param, "state_dict").detach()
             elif kind == StateDictType.LOCAL_STATE_DICT:
                 value = _padded_local_shard(fsdp_param)
                 local_metadata[_LOCAL_WORLD_KEY] = fsdp_param.mesh_info.shard_size
@@ -227,7 +300,7 @@ def _post_load_state_dict_hook(state: FSDPState, module: nn.Module, incompatible
 # --- conversions ----------------------------------------------------------------------------------
 
 
-def _gather_full(local: torch.Tensor, fsdp_param: FSDPParam) -> torch.Tensor:
+def _gather_full(local: torch.Tensor, fsdp_param: FSDPParam, reason: str) -> torch.Tensor:
     """The full tensor from each rank's dim-0 rows of it (``local``), in ``local``'s dtype.
 
     Plain collectives over the shard group, outside the runtime's all-gather: the result is in the
@@ -242,7 +315,8 @@ def _gather_full(local: torch.Tensor, fsdp_param: FSDPParam) -> torch.Tensor:
     send = torch.zeros((padded_rows, *fsdp_param.orig_size[1:]), dtype=local.dtype, device=local.device)
     send[:rows].copy_(local)
     gathered = torch.empty((padded_rows * info.shard_size, *fsdp_param.orig_size[1:]), dtype=local.dtype, device=local.device)
-    _all_gather_single(gathered, send, group=info.shard_group)
+    record(CollectiveRecord("all_gather", fsdp_param.fqn, send.numel(), send.dtype, reason))
+    all_gather_single(gathered, send, group=info.shard_group)
     return gathered if gathered.shape[0] == dim0 else gathered[:dim0].clone()
 
 
@@ -447,11 +521,11 @@ def _check_unshard_params_args(states: list[FSDPState], writeback: bool, rank0_o
 
 
 def _gather_param_and_grad(fsdp_param: FSDPParam, with_grads: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    full = _gather_full(fsdp_param.local_shard(), fsdp_param)
+    full = _gather_full(fsdp_param.local_shard(), fsdp_param, "unshard_params")
     sharded_grad = fsdp_param.sharded_param.grad
     if not with_grads or sharded_grad is None:
         return full, None
-    return full, _gather_full(sharded_grad._local_tensor, fsdp_param)
+    return full, _gather_full(sharded_grad._local_tensor, fsdp_param, "unshard_params-grad")
 
 
 def _write_back(fsdp_param: FSDPParam, with_grads: bool) -> None:

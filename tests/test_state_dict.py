@@ -167,17 +167,32 @@ def _compiled_model_keeps_original_names():
     reference = build_reference(SMALL)
     model = shard_model(copy.deepcopy(reference), fsdp_compile.fully_shard)
     compiled = torch.compile(model)
+    names = list(reference.state_dict())
+    plain = compiled.state_dict()
+    plain_names = list(plain) == names
+    version_kept = plain._metadata[""] == model.state_dict()._metadata[""]
+    # Loading accepts the original names and the wrapper's prefixed ones alike, strictly.
+    compiled.load_state_dict({k: v * 2 for k, v in plain.items()})
+    doubled = all(torch.equal(p.full_tensor(), 2 * r) for p, r in zip(model.parameters(), reference.parameters()))
+    compiled.load_state_dict({"_orig_mod." + k: v / 2 for k, v in plain.items()})  # plain aliases the params
+    restored = all(torch.equal(p.full_tensor(), r) for p, r in zip(model.parameters(), reference.parameters()))
     model_sd = get_model_state_dict(compiled)
-    dcp_names = list(model_sd) == list(reference.state_dict())
-    set_model_state_dict(compiled, model_sd)
+    dcp_names = list(model_sd) == names
+    set_model_state_dict(compiled, {k: v * 3 for k, v in model_sd.items()})
+    tripled = all(torch.equal(p.full_tensor(), 3 * r) for p, r in zip(model.parameters(), reference.parameters()))
     model.compile()  # in place: no wrapper, no prefix
-    in_place_names = list(model.state_dict()) == list(reference.state_dict())
-    return dcp_names, in_place_names
+    in_place_names = list(model.state_dict()) == names
+    return plain_names, version_kept, doubled, restored, dcp_names, tripled, in_place_names
 
 
 def test_compiled_model_checkpoints_under_original_names(dist):
-    dcp_names, in_place_names = dist.run(2, _compiled_model_keeps_original_names)[0]
-    assert dcp_names, "get_state_dict(torch.compile(model)) must use the original FQNs"
+    plain_names, version_kept, doubled, restored, dcp_names, tripled, in_place_names = dist.run(
+        2, _compiled_model_keeps_original_names
+    )[0]
+    assert plain_names, "torch.compile(model).state_dict() must use the original FQNs, no '_orig_mod.'"
+    assert version_kept, "the wrapped model's state-dict metadata must survive the renaming"
+    assert doubled and restored, "load_state_dict on the compiled wrapper must take both spellings"
+    assert dcp_names and tripled, "get/set_model_state_dict(torch.compile(model)) must use the original FQNs"
     assert in_place_names, "model.compile() must keep the original FQNs"
 
 

@@ -55,6 +55,30 @@ def test_in_place_edits_reach_the_shards_only_with_writeback(dist, writeback):
     assert all(dist.run(2, _writeback, writeback))
 
 
+def _recorded_gathers():
+    reference = build_reference(UNEVEN)
+    model = _sharded_copy(reference)
+    next_token_loss(model(_tokens()), _tokens()).backward()
+    with fsdp_compile.record_collectives() as log:
+        with fsdp_compile.unshard_params(model, with_grads=True):
+            pass
+        with fsdp_compile.state_dict_type(model, fsdp_compile.StateDictType.FULL_STATE_DICT):
+            model.state_dict()
+    names = [n for n, _ in reference.named_parameters()]
+    keys = [n for n, _ in reference.named_parameters(remove_duplicate=False)]  # tied weights: one key each
+    return [(r.kind, r.group, r.reason) for r in log], names, keys
+
+
+def test_unshard_params_and_full_state_dict_gathers_are_recorded(dist):
+    recorded, names, keys = dist.run(2, _recorded_gathers)[0]
+    assert {kind for kind, _, _ in recorded} == {"all_gather"}
+    for reason, expected in (("unshard_params", names), ("unshard_params-grad", names), ("state_dict", keys)):
+        gathered = [group for _, group, why in recorded if why == reason]
+        # One gather per parameter (per state-dict key), named by its path inside its fully_shard module.
+        assert len(gathered) == len(expected), reason
+        assert all(any(name.endswith(param) for name in names) for param in gathered), reason
+
+
 def _edited_params_are_used_by_the_next_forward():
     reference = build_reference(UNEVEN)
     model = _sharded_copy(reference)
