@@ -18,7 +18,7 @@ import torch
 from benchmarks.config import BASELINE_LOSS, BASELINE_SPEED, BenchConfig
 from benchmarks.modes import COMPILED
 
-__all__ = ["summarize", "markdown_table", "publish"]
+__all__ = ["summarize", "markdown_table", "publish", "git_commit", "write_results_md"]
 
 MIB = 2**20
 
@@ -145,7 +145,8 @@ def _slowest_line(summary: dict[str, dict]) -> str:
     return f"Slowest mode relative to {BASELINE_SPEED}: {name} (speed {rated[name]:.2f}× {BASELINE_SPEED}'s)."
 
 
-def _git_commit() -> str:
+def git_commit() -> str:
+    """The checkout's commit (with "with uncommitted changes" when dirty), for provenance lines."""
     try:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
@@ -169,7 +170,7 @@ def _meta(cfg: BenchConfig, results: dict, world: int, device: torch.device) -> 
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "commit": _git_commit(),
+        "commit": git_commit(),
         "device": device.type,
         "machine": machine,
         "world_size": world,
@@ -225,7 +226,7 @@ def _model_text(config: dict) -> str:
             f"{config['warmup']} warm-up + {config['steps']} measured steps")
 
 
-def _write_results_md(path: str, section: str, key: str) -> None:
+def write_results_md(path: str, section: str, key: str) -> None:
     """Replace this machine kind's section in ``path`` (or append it); other sections stay."""
     text = open(path).read() if os.path.exists(path) else "# Benchmark results\n"
     pattern = re.compile(rf"<!-- benchmark section: {re.escape(key)} -->.*?<!-- end benchmark section: {re.escape(key)} -->\n", re.S)
@@ -282,7 +283,7 @@ def publish(cfg: BenchConfig, results: dict, world: int, device: torch.device) -
         out.write(section)
     wrote_png = _plot(os.path.join(cfg.out_dir, "results.png"), cfg, summary)
     if cfg.results_md:
-        _write_results_md(cfg.results_md, section, meta["section_key"])
+        write_results_md(cfg.results_md, section, meta["section_key"])
     print(f"\n{meta['machine']}, world size {world}, {meta['parameters'] / 1e6:.2f}M parameters, torch {meta['torch']}\n")
     print(table)
     slowest = _slowest_line(summary)

@@ -16,7 +16,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 __all__ = ["fsdp_inductor", "fsdp_aot_eager", "observe_graphs", "graph_fingerprint", "check_same_graph_on_all_ranks"]
 
 _PASS_VERSION = "fsdp_compile-recompute-v1"
-_POST_GRAD_VERSION = "fsdp_compile-bucket-reorder-v1"
+_POST_GRAD_VERSION = "fsdp_compile-bucket-reorder-v2"
 
 
 _graph_observers: list[Callable[[str, fx.GraphModule], None]] = []
@@ -140,11 +140,16 @@ def fsdp_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: A
     from fsdp_compile import config
 
     check_same_graph_on_all_ranks(gm)
+    pass_config = config.passes.resolved()
     config_patches = {
         "joint_custom_pre_pass": _RecomputeReshardedParams(),
-        "post_grad_custom_post_pass": _PostGradPasses(config.passes.resolved()),
+        "post_grad_custom_post_pass": _PostGradPasses(pass_config),
         **_inductor_comm_passes_off(),
     }
+    if pass_config.reorder:
+        # Pins our collective placement: Inductor's peak-memory reordering would sink each
+        # prefetched all-gather back down to its use (see passes/reorder.py).
+        config_patches["reorder_for_peak_memory"] = False
     return compile_fx(gm, example_inputs, config_patches=config_patches)
 
 

@@ -34,13 +34,14 @@ class PassConfig:
     # Merge adjacent groups' buckets while the merged bucket's unsharded bytes stay <= this cap.
     # 0 keeps exactly one bucket per group (what eager FSDP does).
     merge_small_groups_bytes: int = 0
-    # Issue all-gathers ahead of use and reduce-scatter waits late (passes/reorder.py: not written
-    # yet, True raises NotImplementedError).
-    reorder: bool = False
-    # Forward: how many groups ahead an all-gather is issued (0: at first use, no overlap).
+    # Issue all-gathers ahead of their use and wait on collectives late (passes/reorder.py).
+    reorder: bool = True
+    # All-gathers are issued this many groups ahead of their use, and up to this many
+    # reduce-scatters stay in flight before the oldest is waited on (0: no overlap).
     prefetch_depth: int = 1
-    # Never hold more than this many bytes of gathered (unsharded) buckets that are issued but not
-    # yet consumed; None: no limit. A prefetch that would exceed it waits until a bucket is consumed.
+    # Bound on the bytes of collectives issued and not yet waited on (all-gather outputs and
+    # reduce-scatter inputs: the unsharded buckets they keep allocated); None: no bound. A prefetch
+    # that does not fit is postponed; a collective that must issue first waits on older ones.
     max_inflight_bytes: int | None = None
     # FSDP_COMPILE_DUMP=dir: each graph before and after each pass, plus a collectives timeline.
     dump_dir: str | None = None

@@ -141,7 +141,11 @@ def _install_compile_wrapper_hook() -> None:
 def _on_module_registered(parent: nn.Module, name: str, child: nn.Module | None) -> None:
     from torch._dynamo.eval_frame import OptimizedModule
 
-    if name != _COMPILE_WRAPPER_CHILD or not isinstance(parent, OptimizedModule) or child is None:
+    # Inside a compiled region (compiled autograd wraps its graphs in torch.compile) Dynamo would
+    # trace this hook on a half-built wrapper; such wrappers never hold a user's model anyway.
+    if name != _COMPILE_WRAPPER_CHILD or torch.compiler.is_compiling():
+        return
+    if not isinstance(parent, OptimizedModule) or child is None:
         return
     if not all_states_under([child]):
         return

@@ -4,8 +4,7 @@ Each pass is a pure function ``(GraphModule, PassConfig) -> GraphModule`` (DESIG
 
 - ``recompute.py`` (joint graph): resharding groups re-all-gather in backward.
 - ``bucket.py`` (post-grad): one all-gather / reduce-scatter per ``fully_shard`` group.
-- ``reorder.py`` (post-grad): prefetch all-gathers, wait late, under an in-flight byte budget
-  (not written yet: ``PassConfig.reorder=True`` raises).
+- ``reorder.py`` (post-grad): prefetch all-gathers, wait late, under an in-flight byte budget.
 - ``dump.py``: ``FSDP_COMPILE_DUMP=dir`` writes graphs and timelines around each pass.
 """
 from __future__ import annotations

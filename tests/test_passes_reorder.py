@@ -1,0 +1,222 @@
+"""passes/reorder.py: the documented schedule, the in-flight budget, determinism, Inductor keeping
+the order, FSDP_COMPILE_DUMP, and numerics at world size 2 under non-default schedules."""
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+import fsdp_compile
+from fsdp_compile.config import PassConfig
+from fsdp_compile.passes.bucket import ALL_GATHER, REDUCE_SCATTER, WAIT, collective_nodes
+from fsdp_compile.passes.recompute import fsdp_annotation
+from fsdp_compile.passes.reorder import collective_bytes, inflight_bytes, max_inflight_bytes
+from test_passes_bucket import CONFIG, _graphs
+
+_SHORT = {ALL_GATHER: "AG", REDUCE_SCATTER: "RS"}
+
+
+def _event(node: fx.Node) -> str | None:
+    """"issue AG layers.0" / "wait RS Transformer" for a collective or its wait, else None."""
+    if node.target in _SHORT:
+        return f"issue {_SHORT[node.target]} {fsdp_annotation(node)['fsdp_group']}"
+    if node.target is WAIT and node.args[0].target in _SHORT:
+        return f"wait {_SHORT[node.args[0].target]} {fsdp_annotation(node.args[0])['fsdp_group']}"
+    return None
+
+
+def _events(graph: fx.Graph) -> list[str]:
+    return [event for event in map(_event, graph.nodes) if event is not None]
+
+
+def _matmuls_between(graph: fx.Graph, first: str, second: str) -> int:
+    """How many mm nodes run between two events of ``_events``."""
+    inside, count = False, 0
+    for node in graph.nodes:
+        event = _event(node)
+        if event == first:
+            inside = True
+        elif event == second:
+            return count
+        elif inside and node.target is torch.ops.aten.mm.default:
+            count += 1
+    raise AssertionError(f"{first!r} then {second!r} not found")
+
+
+def test_forward_prefetches_the_next_group_before_the_current_compute(fake_world):
+    forward, _ = _graphs(PassConfig(prefetch_depth=1))
+    assert _events(forward.graph) == [
+        "issue AG Transformer", "wait AG Transformer",
+        "issue AG layers.0", "wait AG layers.0",
+        "issue AG layers.1", "wait AG layers.1",
+    ]
+    # layers.1's gather is in flight during all of layers.0's matmuls (q, k, v, o, w1, w3, w2).
+    assert _matmuls_between(forward.graph, "issue AG layers.1", "wait AG layers.1") == 7
+    assert _matmuls_between(forward.graph, "wait AG layers.0", "issue AG layers.1") == 0
+
+
+def test_backward_prefetches_regathers_and_waits_on_reduce_scatters_late(fake_world):
+    _, backward = _graphs(PassConfig(prefetch_depth=1))
+    assert _events(backward.graph) == [
+        "issue AG layers.1", "wait AG layers.1",
+        "issue AG layers.0",                       # prefetched during layers.1's backward
+        "issue RS layers.1",                       # right after layers.1's last gradient
+        "wait AG layers.0",
+        "issue RS layers.0", "wait RS layers.1",   # one reduce-scatter left in flight
+        "issue RS Transformer", "wait RS layers.0",
+        "wait RS Transformer",                     # right before the graph returns
+    ]
+    assert _matmuls_between(backward.graph, "issue AG layers.0", "wait AG layers.0") > 0
+    assert _matmuls_between(backward.graph, "issue RS layers.1", "wait RS layers.1") > 0  # layers.0 backward
+    last_wait = [n for n in backward.graph.nodes if n.target is WAIT][-1]
+    between = list(backward.graph.nodes)[list(backward.graph.nodes).index(last_wait):]
+    assert not any(n.target is torch.ops.aten.mm.default for n in between)
+
+
+def test_depth_two_and_depth_zero(fake_world):
+    forward, _ = _graphs(PassConfig(prefetch_depth=2))
+    assert _events(forward.graph) == [
+        "issue AG Transformer", "issue AG layers.0", "wait AG Transformer",
+        "issue AG layers.1", "wait AG layers.0", "wait AG layers.1",
+    ]
+    forward, backward = _graphs(PassConfig(prefetch_depth=0))
+    for graph in (forward.graph, backward.graph):
+        events = _events(graph)
+        # No overlap: every issue is followed by its own wait, with no matmul in between.
+        for issue, wait in zip(events[::2], events[1::2]):
+            assert wait == issue.replace("issue", "wait")
+            assert _matmuls_between(graph, issue, wait) == 0
+
+
+def _largest_collective(graph: fx.Graph) -> int:
+    return max(collective_bytes(n) for n in (*collective_nodes(graph, ALL_GATHER), *collective_nodes(graph, REDUCE_SCATTER)))
+
+
+def test_inflight_bytes_never_exceed_the_budget(fake_world):
+    forward, backward = _graphs(PassConfig(prefetch_depth=3))
+    largest = max(_largest_collective(forward.graph), _largest_collective(backward.graph))
+    unbounded = max(max_inflight_bytes(forward.graph), max_inflight_bytes(backward.graph))
+    assert unbounded > largest  # depth 3 without a budget overlaps several buckets
+    for budget in (0, largest, largest + largest // 2, 2 * largest):
+        forward, backward = _graphs(PassConfig(prefetch_depth=3, max_inflight_bytes=budget))
+        for graph in (forward.graph, backward.graph):
+            flying: set[fx.Node] = set()
+            for node, total in inflight_bytes(graph):
+                if node.target in (ALL_GATHER, REDUCE_SCATTER):
+                    flying.add(node)
+                elif node.target is WAIT:
+                    flying.discard(node.args[0])
+                # A single collective larger than the budget may fly, alone.
+                assert total <= budget or len(flying) == 1, (budget, node.name, total)
+        if budget < 2 * _largest_collective(forward.graph):
+            # At most one gathered bucket in flight: layers.1 is not prefetched over layers.0's wait.
+            events = _events(forward.graph)
+            assert events.index("issue AG layers.1") > events.index("wait AG layers.0")
+
+
+def test_the_same_graph_yields_the_same_schedule(fake_world):
+    config = PassConfig(prefetch_depth=2, max_inflight_bytes=100_000)
+    first, first_backward = _graphs(config)
+    second, second_backward = _graphs(config)
+    assert first.code == second.code
+    assert first_backward.code == second_backward.code
+
+
+def test_hsdp_schedule_keeps_each_all_reduce_behind_its_reduce_scatter():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    torch._dynamo.reset()
+    try:
+        mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("replicate", "shard"))
+        _, backward = _graphs(PassConfig(prefetch_depth=1), mesh=mesh)
+    finally:
+        torch._dynamo.reset()
+        dist.destroy_process_group()
+    nodes = list(backward.graph.nodes)
+    for scatter in collective_nodes(backward.graph, REDUCE_SCATTER):
+        wait = next(iter(scatter.users))
+        all_reduce = next(u for u in wait.users if u.target is torch.ops._c10d_functional.all_reduce.default)
+        assert nodes.index(all_reduce) == nodes.index(wait) + 1
+
+
+def test_inductor_keeps_the_prefetch_order():
+    """The generated forward issues layers.1's all-gather before layers.0's matmuls (world 8 only:
+    Inductor's compile takes ~20 s)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from fsdp_compile.models import Transformer
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    torch._dynamo.reset()
+    try:
+        forward_code = _inductor_forward_code(Transformer)
+    finally:
+        torch._dynamo.reset()
+        dist.destroy_process_group()
+    calls = re.findall(r"_c10d_functional\.(all_gather_into_tensor|wait_tensor)\.default\(|extern_kernels\.(mm)\(", forward_code)
+    sequence = [gather or mm for gather, mm in calls]
+    gathers = [i for i, call in enumerate(sequence) if call == "all_gather_into_tensor"]
+    waits = [i for i, call in enumerate(sequence) if call == "wait_tensor"]
+    assert len(gathers) == 3 and len(waits) == 3
+    assert sequence[gathers[2]:waits[2]].count("mm") == 7  # layers.0's matmuls under layers.1's gather
+
+
+def _inductor_forward_code(model_class) -> str:
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    model = model_class(CONFIG)
+    for layer in model.layers:
+        fsdp_compile.fully_shard(layer)
+    fsdp_compile.fully_shard(model)
+    previous, fsdp_compile.config.passes = fsdp_compile.config.passes, PassConfig(prefetch_depth=1)
+    try:
+        compiled = torch.compile(model, backend="fsdp_inductor", fullgraph=True)
+        tokens = torch.randint(0, CONFIG.vocab_size, (2, 8))
+        _, (forward_code, *_) = run_and_get_code(lambda: compiled(tokens).sum().backward())
+    finally:
+        fsdp_compile.config.passes = previous
+    return forward_code
+
+
+def test_dump_writes_graphs_and_timelines_for_each_pass(fake_world, tmp_path, monkeypatch):
+    monkeypatch.setenv("FSDP_COMPILE_DUMP", str(tmp_path))
+    _graphs(PassConfig(prefetch_depth=1))
+    names = sorted(p.name for p in tmp_path.iterdir())
+    for kind in ("forward", "backward"):
+        for stage in ("0-input", "1-after-bucket", "2-after-reorder"):
+            assert any(n.endswith(f"-{kind}-{stage}.py") for n in names), (kind, stage)
+            assert any(n.endswith(f"-{kind}-{stage}.timeline.txt") for n in names), (kind, stage)
+    def largest(pattern: str) -> str:  # the model's forward, not the small graph of the loss
+        return max((p.read_text() for p in tmp_path.glob(pattern)), key=len)
+
+    before = largest("*-forward-1-after-bucket.timeline.txt")
+    after = largest("*-forward-2-after-reorder.timeline.txt")
+    # After reordering, matmuls run while layers.1's bucket is in flight; before, none do.
+    assert re.search(r"comp\s+mm\s.*in flight: layers\.1", after)
+    assert not re.search(r"comp\s+mm\s.*in flight: [^-\s]", before)
+    graph_text = largest("*-forward-2-after-reorder.py")
+    assert "all_gather_into_tensor" in graph_text
+
+
+def _reordered_training_matches_eager(depth: int, budget: int | None):
+    from test_compile import _compiled_vs_eager
+
+    previous = fsdp_compile.config.passes
+    fsdp_compile.config.passes = PassConfig(prefetch_depth=depth, max_inflight_bytes=budget)
+    try:
+        return _compiled_vs_eager("fsdp_inductor")
+    finally:
+        fsdp_compile.config.passes = previous
+
+
+def test_deeper_prefetch_under_a_budget_trains_like_eager(dist):
+    """Default schedule: tests/test_compile.py; here depth 2 with a budget of about one block."""
+    from test_compile import _assert_matches_eager
+
+    for result in dist.run(2, _reordered_training_matches_eager, 2, 120_000):
+        _assert_matches_eager(result)
