@@ -11,10 +11,13 @@ from dataclasses import dataclass
 
 from fsdp_compile.models import TransformerConfig
 
-__all__ = ["MODES", "BenchConfig", "parse_args"]
+__all__ = ["MODES", "PASS_ABLATION_MODES", "BenchConfig", "parse_args"]
 
 # Table order. torch-eager is the baseline of the speed ratio; ours-eager of the loss agreement.
 MODES = ("ours-eager", "ours-compiled", "ours-fallback", "torch-eager", "torch-blockcompile")
+# ours-compiled with some graph passes off, for a before/after-passes table from one run
+# (--pass-ablation adds them; --modes may name them).
+PASS_ABLATION_MODES = ("ours-compiled-bucket", "ours-compiled-nopasses")
 BASELINE_SPEED = "torch-eager"
 BASELINE_LOSS = "ours-eager"
 
@@ -63,6 +66,11 @@ modes (all run in one process per rank, interleaved step by step: A B C A B C ..
   torch-eager         torch.distributed.fsdp.fully_shard per block + root, eager
   torch-blockcompile  torch.compile(block, fullgraph=True) per block, then PyTorch's
                       fully_shard per block + root (torchtitan's default)
+  with --pass-ablation, also:
+  ours-compiled-bucket    ours-compiled with PassConfig(reorder=False): one collective per
+                          group, each waited on at once
+  ours-compiled-nopasses  ours-compiled with PassConfig(bucket=False, reorder=False): the traced
+                          per-parameter collectives
 A mode that fails to build or to run its first step is reported as "unavailable: <reason>";
 the others still run. Before any mode, a trivial torch.compile pays Inductor's one-time
 start-up, so no compiled mode is charged for it (its time is in the JSON and results.md).
@@ -89,15 +97,16 @@ columns:
 examples:
   python -m benchmarks                                   # defaults, 2 gloo ranks on CPU
   python -m benchmarks --modes ours-eager,torch-eager --steps 30
+  python -m benchmarks --pass-ablation                   # + ours-compiled with passes off
   torchrun --nproc-per-node 8 -m benchmarks --dim 2048 --layers 16 --bf16
 """
 
 
 def _modes(text: str) -> tuple[str, ...]:
     names = tuple(name.strip() for name in text.split(",") if name.strip())
-    unknown = [name for name in names if name not in MODES]
+    unknown = [name for name in names if name not in MODES + PASS_ABLATION_MODES]
     if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown mode(s) {unknown}; choose from {', '.join(MODES)}")
+        raise argparse.ArgumentTypeError(f"unknown mode(s) {unknown}; choose from {', '.join(MODES + PASS_ABLATION_MODES)}")
     return names
 
 
@@ -128,6 +137,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     add("--warmup", type=int, default=d.warmup, help=f"warm-up steps per mode, excluded from the figures; they hold compilation (default {d.warmup})")
     add("--seed", type=int, default=d.seed, help=f"seed of the initial weights and the data, the same for every mode (default {d.seed})")
     add("--lr", type=float, default=d.lr, help=f"AdamW learning rate (default {d.lr})")
+    add("--pass-ablation", action="store_true",
+        help=f"also run {' and '.join(PASS_ABLATION_MODES)}: ours-compiled without reordering, and without any graph pass")
     add("--no-warm-compile", dest="warm_compile", action="store_false",
         help="skip rebuilding each compiled mode after torch._dynamo.reset() to time a warm compile")
     add("--reuse-inductor-cache", dest="fresh_inductor_cache", action="store_false",
@@ -143,4 +154,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         parser.error(f"--dim {args.dim} must split into --heads {args.heads} heads of even size (rotary embedding)")
     launcher = "torchrun ... -m benchmarks" if "TORCHELASTIC_RUN_ID" in os.environ else "python -m benchmarks"
     command = launcher + "".join(f" {a}" for a in (sys.argv[1:] if argv is None else argv))
+    if args.pass_ablation:
+        args.modes = tuple(args.modes) + tuple(m for m in PASS_ABLATION_MODES if m not in args.modes)
+    del args.pass_ablation
     return BenchConfig(command=command, **{k: v for k, v in vars(args).items()})

@@ -1,4 +1,5 @@
-"""The five ways to train the same model: ours (eager, compiled, fallback) and PyTorch FSDP2's (eager, per-block compile).
+"""The ways to train the same model: ours (eager, compiled, fallback; compiled with passes off) and
+PyTorch FSDP2's (eager, per-block compile).
 
 Every builder starts from the same seed, so every mode holds the same initial weights.
 """
@@ -12,11 +13,19 @@ import torch
 import torch.nn as nn
 
 import fsdp_compile
+from fsdp_compile.backend import fsdp_inductor_with
+from fsdp_compile.config import PassConfig
 from fsdp_compile.models import Transformer, TransformerConfig
 
 __all__ = ["Mode", "build_mode", "COMPILED"]
 
-COMPILED = frozenset({"ours-compiled", "ours-fallback", "torch-blockcompile"})
+# ours-compiled's graph passes per mode; the ablations turn some off (benchmarks/config.py).
+_PASSES = {
+    "ours-compiled": PassConfig(),
+    "ours-compiled-bucket": PassConfig(reorder=False),
+    "ours-compiled-nopasses": PassConfig(bucket=False, reorder=False),
+}
+COMPILED = frozenset({"ours-fallback", "torch-blockcompile", *_PASSES})
 
 
 @dataclass
@@ -76,8 +85,10 @@ def build_mode(name: str, config: TransformerConfig, device: torch.device, seed:
     runnable: nn.Module = model
     if name.startswith("ours-"):
         _shard(model, fsdp_compile.fully_shard, _ours_policy(bf16))
-        if name == "ours-compiled":
-            runnable = torch.compile(model, backend="fsdp_inductor")
+        if name in _PASSES:
+            # One backend object per mode: Dynamo would otherwise hand a later mode the graph (and
+            # passes) compiled for an earlier one, the model class being the same.
+            runnable = torch.compile(model, backend=fsdp_inductor_with(_PASSES[name]))
         elif name == "ours-fallback":
             # The FSDP hooks run eagerly between compiled regions; the flag is on only during this mode's steps.
             step_context = _skip_fsdp_hooks

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-__all__ = ["fsdp_inductor", "fsdp_aot_eager", "observe_graphs", "graph_fingerprint", "check_same_graph_on_all_ranks"]
+__all__ = ["fsdp_inductor", "fsdp_inductor_with", "fsdp_aot_eager", "observe_graphs", "graph_fingerprint", "check_same_graph_on_all_ranks"]
 
 _PASS_VERSION = "fsdp_compile-recompute-v1"
 _POST_GRAD_VERSION = "fsdp_compile-bucket-reorder-v2"
@@ -134,13 +134,38 @@ def check_same_graph_on_all_ranks(gm: fx.GraphModule) -> None:
 
 def fsdp_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
     """Compile a Dynamo graph of an FSDP model: check ranks agree, tag recompute, hand to Inductor
-    with our post-grad passes (bucket, reorder) and Inductor's own comm passes off."""
-    from torch._inductor.compile_fx import compile_fx
-
+    with our post-grad passes (bucket, reorder; ``fsdp_compile.config.passes`` as it is now) and
+    Inductor's own comm passes off."""
     from fsdp_compile import config
 
+    return _compile_with_inductor(gm, example_inputs, config.passes)
+
+
+def fsdp_inductor_with(passes: Any) -> Callable[..., Any]:
+    """An ``fsdp_inductor`` backend that always uses ``passes`` (a ``PassConfig``).
+
+    Dynamo guards its compiled code on the backend object, so models compiled with different
+    backends from here never share graphs, even if they are instances of the same class (with the
+    plain ``"fsdp_inductor"`` string they can: the second model reuses the first one's graph and
+    its passes).
+
+    Example::
+
+        torch.compile(model, backend=fsdp_inductor_with(PassConfig(reorder=False)))
+    """
+
+    def backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+        return _compile_with_inductor(gm, example_inputs, passes)
+
+    backend.__name__ = backend.__qualname__ = "fsdp_inductor"
+    return backend
+
+
+def _compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], passes: Any) -> Any:
+    from torch._inductor.compile_fx import compile_fx
+
     check_same_graph_on_all_ranks(gm)
-    pass_config = config.passes.resolved()
+    pass_config = passes.resolved()
     config_patches = {
         "joint_custom_pre_pass": _RecomputeReshardedParams(),
         "post_grad_custom_post_pass": _PostGradPasses(pass_config),
