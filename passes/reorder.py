@@ -39,6 +39,7 @@ this pass runs: that scheduler pass would otherwise move each all-gather back do
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -49,6 +50,8 @@ from fsdp_compile.config import PassConfig
 from fsdp_compile.passes.bucket import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, WAIT
 
 __all__ = ["reorder_collectives", "collective_bytes", "inflight_bytes", "max_inflight_bytes"]
+
+log = logging.getLogger(__name__)
 
 _ISSUES = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE)
 
@@ -260,6 +263,9 @@ def reorder_collectives(gm: fx.GraphModule, config: PassConfig) -> fx.GraphModul
         return gm
     graph = gm.graph
     collectives = _collectives(graph)
+    if collectives is None:
+        log.warning("fsdp reorder: a collective's result is read other than through one wait; graph left in order")
+        return gm
     if not collectives:
         return gm
     order = _Scheduler(graph, collectives, config).run()
