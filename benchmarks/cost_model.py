@@ -58,7 +58,7 @@ from fsdp_compile.passes.bucket import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, W
 
 __all__ = [
     "Compute", "Issue", "Wait", "Event", "Result", "Hardware", "LLAMA_8B", "CONFIGURATIONS",
-    "PassUnavailable", "ring_time", "schedule_from_graph", "simulate", "simulate_step",
+    "ring_time", "schedule_from_graph", "simulate", "simulate_step",
     "fake_process_group", "trace_graphs", "main",
 ]
 
@@ -328,10 +328,6 @@ def simulate_step(schedules: Sequence[Sequence[Event]], world_size: int, hardwar
 # --- Tracing -------------------------------------------------------------------------------------
 
 
-class PassUnavailable(RuntimeError):
-    """A configuration asked for a pass this checkout does not implement yet."""
-
-
 @contextlib.contextmanager
 def fake_process_group(world_size: int) -> Iterator[None]:
     """This process as rank 0 of ``world_size`` fake ranks: collectives trace but never run."""
@@ -348,14 +344,6 @@ def fake_process_group(world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _chain(error: BaseException) -> Iterator[BaseException]:
-    seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        yield error
-        error = getattr(error, "inner_exception", None) or error.__cause__ or error.__context__
-
-
 def trace_graphs(
     model_config: TransformerConfig,
     passes: PassConfig,
@@ -368,7 +356,6 @@ def trace_graphs(
 
     Every block and the root are ``fully_shard``-ed over the current (fake) process group; the
     model, its parameters and the tokens are fake tensors, so an 8B model traces on a laptop.
-    Raises ``PassUnavailable`` when ``passes`` asks for a pass that raises NotImplementedError.
 
     Example::
 
@@ -396,11 +383,6 @@ def trace_graphs(
             tokens = torch.randint(0, model_config.vocab_size, (batch, seq))
             with observe_graphs() as graphs:
                 torch.compile(model, backend="fsdp_aot_eager", fullgraph=True)(tokens).float().sum().backward()
-    except Exception as error:
-        missing = next((e for e in _chain(error) if isinstance(e, NotImplementedError)), None)
-        if missing is not None and passes.reorder:
-            raise PassUnavailable(str(missing)) from error
-        raise
     finally:
         fsdp_compile.config.passes = previous
         torch._dynamo.reset()
@@ -417,8 +399,7 @@ def trace_graphs(
 class _Row:
     world: int
     configuration: str
-    result: Result | None = None
-    unavailable: str | None = None
+    result: Result
 
 
 @dataclass
@@ -443,9 +424,6 @@ def _table(rows: list[_Row]) -> str:
     columns = _HEADER.count(" | ")
     lines = [_HEADER, "|" + "---|" * (columns + 1)]
     for row in rows:
-        if row.result is None:
-            lines.append(f"| {row.world} | {row.configuration} | {row.unavailable} |" + " — |" * (columns - 2))
-            continue
         r = row.result
         cells = [f"{row.world}", row.configuration, f"{r.step_s * 1e3:,.0f}", f"{r.compute_s * 1e3:,.0f}",
                  f"{r.comm_s * 1e3:,.0f}", f"{r.exposed_s * 1e3:,.0f}", f"{r.exposed_fraction * 100:.1f}"]
@@ -462,11 +440,8 @@ def _target_line(run: _Run) -> str:
     for row in run.rows:
         if row.world != TARGET_WORLD:
             continue
-        if row.result is None:
-            verdicts.append(f"{row.configuration}: {row.unavailable}")
-        else:
-            met = "met" if row.result.exposed_fraction <= TARGET_EXPOSED_FRACTION else "not met"
-            verdicts.append(f"{row.configuration}: {row.result.exposed_fraction:.1%}, {met}")
+        met = "met" if row.result.exposed_fraction <= TARGET_EXPOSED_FRACTION else "not met"
+        verdicts.append(f"{row.configuration}: {row.result.exposed_fraction:.1%}, {met}")
     default_shape = run.model_config == LLAMA_8B and (run.batch, run.seq) == (1, LLAMA_8B.max_seq_len)
     shape = "" if default_shape else (
         f" (on {run.model_config.n_layers} block{'s' if run.model_config.n_layers != 1 else ''}, "
@@ -548,13 +523,7 @@ def _model(run: _Run, configurations: dict[str, PassConfig]) -> None:
     with fake_process_group(run.trace_world):
         for name, passes in configurations.items():
             started = time.perf_counter()
-            try:
-                graphs = trace_graphs(run.model_config, passes, run.batch, run.seq, reduce_dtype=reduce_dtype)
-            except PassUnavailable as error:
-                print(f"cost_model: {name}: unavailable ({error})", file=sys.stderr)
-                for world in run.worlds:
-                    by_world[world].append(_Row(world, name, unavailable="reorder pass not available"))
-                continue
+            graphs = trace_graphs(run.model_config, passes, run.batch, run.seq, reduce_dtype=reduce_dtype)
             schedules = [schedule_from_graph(gm) for gm in graphs]
             del graphs  # tens of thousands of fake-tensor nodes; the next trace needs the memory
             run.trace_s[name] = time.perf_counter() - started

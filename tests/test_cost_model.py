@@ -7,7 +7,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from benchmarks.cost_model import (
-    Compute, Issue, PassUnavailable, Wait, schedule_from_graph, simulate, simulate_step, trace_graphs,
+    Compute, Issue, Wait, schedule_from_graph, simulate, simulate_step, trace_graphs,
 )
 from fsdp_compile.config import PassConfig
 from fsdp_compile.models import Transformer, TransformerConfig
@@ -127,16 +127,3 @@ def test_bucketing_exposes_less_communication_than_per_parameter_collectives(fak
     assert 0 < bucketed.exposed_s < per_param.exposed_s
     for result in (per_param, bucketed):
         assert result.step_s == pytest.approx(result.compute_s + result.exposed_s, rel=1e-9)
-
-
-# One world is enough: the failure happens before any collective is placed (a trace costs ~4 s).
-@pytest.mark.parametrize("fake_world", [8], indirect=True)
-def test_unimplemented_reorder_pass_is_reported_as_unavailable(fake_world, monkeypatch):
-    import fsdp_compile.passes.reorder as reorder
-
-    def not_written(gm, config):
-        raise NotImplementedError("reorder pass not implemented")
-
-    monkeypatch.setattr(reorder, "reorder_collectives", not_written)
-    with pytest.raises(PassUnavailable, match="not implemented"):
-        trace_graphs(CONFIG, PassConfig(bucket=True, reorder=True), batch=BATCH, seq=SEQ)
