@@ -220,3 +220,31 @@ def test_deeper_prefetch_under_a_budget_trains_like_eager(dist):
 
     for result in dist.run(2, _reordered_training_matches_eager, 2, 120_000):
         _assert_matches_eager(result)
+
+
+def test_backends_with_different_passes_never_share_graphs():
+    """Two models of one class in one process, compiled with ``fsdp_inductor_with`` and other
+    passes, each get their own graph (the benchmark's pass-ablation modes rely on it)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from fsdp_compile.backend import fsdp_inductor_with, observe_graphs
+    from fsdp_compile.models import Transformer
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    torch._dynamo.reset()
+    gathers = []
+    try:
+        for passes in (PassConfig(bucket=False, reorder=False), PassConfig()):
+            torch.manual_seed(0)
+            model = Transformer(CONFIG)
+            for layer in model.layers:
+                fsdp_compile.fully_shard(layer)
+            fsdp_compile.fully_shard(model)
+            with torch.no_grad(), observe_graphs() as graphs:  # forward only: one Inductor compile each
+                torch.compile(model, backend=fsdp_inductor_with(passes))(torch.randint(0, CONFIG.vocab_size, (2, 8)))
+            forward = max((g for kind, g in graphs if kind == "forward"), key=lambda g: len(g.graph.nodes))
+            gathers.append(len(collective_nodes(forward.graph, ALL_GATHER)))
+    finally:
+        torch._dynamo.reset()
+        dist.destroy_process_group()
+    assert gathers[0] > gathers[1] == 3  # per parameter, then one per group
