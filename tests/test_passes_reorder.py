@@ -240,7 +240,9 @@ def test_backends_with_different_passes_never_share_graphs():
             for layer in model.layers:
                 fsdp_compile.fully_shard(layer)
             fsdp_compile.fully_shard(model)
-            with torch.no_grad(), observe_graphs() as graphs:  # forward only: one Inductor compile each
+            # Forward only: one Inductor compile each. Caches off: a cache hit (the same graph compiled
+            # earlier in the suite) skips the passes, and with them the graph observer.
+            with torch.no_grad(), _no_compile_caches(), observe_graphs() as graphs:
                 torch.compile(model, backend=fsdp_inductor_with(passes))(torch.randint(0, CONFIG.vocab_size, (2, 8)))
             forward = max((g for kind, g in graphs if kind == "forward"), key=lambda g: len(g.graph.nodes))
             gathers.append(len(collective_nodes(forward.graph, ALL_GATHER)))
@@ -248,3 +250,15 @@ def test_backends_with_different_passes_never_share_graphs():
         torch._dynamo.reset()
         dist.destroy_process_group()
     assert gathers[0] > gathers[1] == 3  # per parameter, then one per group
+
+
+def _no_compile_caches():
+    import contextlib
+
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(inductor_config.patch(fx_graph_cache=False, fx_graph_remote_cache=False))
+    stack.enter_context(functorch_config.patch(enable_autograd_cache=False))
+    return stack
