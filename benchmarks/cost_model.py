@@ -55,6 +55,7 @@ import fsdp_compile
 from fsdp_compile.config import PassConfig
 from fsdp_compile.models import Transformer, TransformerConfig
 from fsdp_compile.passes.bucket import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, WAIT
+from fsdp_compile.passes.reorder import collective_bytes
 
 __all__ = [
     "Compute", "Issue", "Wait", "Event", "Result", "Hardware", "LLAMA_8B", "CONFIGURATIONS",
@@ -228,10 +229,9 @@ def schedule_from_graph(gm: fx.GraphModule) -> list[Event]:
             events.append(Wait(issued[collective]))
         elif node.target in _COLLECTIVE_KINDS:
             kind = _COLLECTIVE_KINDS[node.target]
-            payload = node.args[0].meta.get("val") if node.target is REDUCE_SCATTER else node.meta.get("val")
             group = (node.meta.get("custom") or {}).get("fsdp_group")
             issued[node] = len(events)
-            events.append(Issue(kind, _tensor_bytes(payload), group))
+            events.append(Issue(kind, collective_bytes(node), group))
         elif getattr(node.target, "namespace", None) == "_c10d_functional":
             raise ValueError(f"cost_model: no cost formula for {node.target} ({node.name}); add it to _COLLECTIVE_KINDS")
         else:

@@ -118,6 +118,7 @@ def _issue_block(all_gather: fx.Node, position: dict[fx.Node, int]) -> list[fx.N
 def _collectives(graph: fx.Graph) -> list[_Collective] | None:
     """The all-gathers and reduce-scatters to schedule, or None if one has an unexpected shape."""
     found: list[_Collective] = []
+    gathers = 0
     position = {node: i for i, node in enumerate(graph.nodes)}
     for node in graph.nodes:
         if node.op != "call_function" or node.target not in (ALL_GATHER, REDUCE_SCATTER):
@@ -128,7 +129,8 @@ def _collectives(graph: fx.Graph) -> list[_Collective] | None:
         entry = _Collective(node, wait_block, nbytes=collective_bytes(node))
         if node.target is ALL_GATHER:
             entry.issue_block = _issue_block(node, position)
-            entry.index = sum(c.node.target is ALL_GATHER for c in found)
+            entry.index = gathers
+            gathers += 1
         found.append(entry)
     return found
 
