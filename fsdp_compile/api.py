@@ -232,7 +232,7 @@ def _hybrid_mesh() -> Any:
         raise ValueError(
             "HYBRID_SHARD shards within a node and replicates across nodes, but the ranks per node are unknown "
             f"(LOCAL_WORLD_SIZE={os.environ.get('LOCAL_WORLD_SIZE')!r}, world size {world}). Pass "
-            "device_mesh=init_device_mesh(device, (num_nodes, ranks_per_node)) to fsdp1_kwargs."
+            "device_mesh=init_device_mesh(device, (num_nodes, ranks_per_node), mesh_dim_names=('replicate', 'shard')) to fsdp1_kwargs."
         )
     return _fsdp1_mesh_of_shape(world // per_node, per_node)
 

@@ -22,9 +22,9 @@ class MeshInfo:
     replicate_group: dist.ProcessGroup | None
     replicate_size: int
 
-    @property
-    def placements(self) -> tuple[Placement, ...]:
-        return (Shard(0),) if self.replicate_group is None else (Replicate(), Shard(0))
+    def placements(self, shard_dim: int = 0) -> tuple[Placement, ...]:
+        """The DTensor placements of a parameter sharded on ``shard_dim`` (replicated first for HSDP)."""
+        return (Shard(shard_dim),) if self.replicate_group is None else (Replicate(), Shard(shard_dim))
 
     @property
     def data_parallel_size(self) -> int:
@@ -70,6 +70,11 @@ def mesh_info_for(mesh: DeviceMesh) -> MeshInfo:
         group = mesh.get_group(0)
         return MeshInfo(mesh, group, mesh.size(0), mesh.get_local_rank(0), None, 1)
     if mesh.ndim == 2:
+        if mesh.mesh_dim_names is None:
+            raise ValueError(
+                "fully_shard: a 2-D mesh means HSDP (replicate, shard) and needs dimension names, as in FSDP2: "
+                "init_device_mesh(device_type, (replicas, shards), mesh_dim_names=('replicate', 'shard'))"
+            )
         return MeshInfo(
             mesh,
             shard_group=mesh.get_group(1),

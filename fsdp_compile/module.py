@@ -38,6 +38,21 @@ class UnshardHandle:
 class FSDPModule:
     """Mixed into every module ``fully_shard`` was applied to (``isinstance(m, FSDPModule)``)."""
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # A new instance of a sharded module's class (nn.Sequential's slicing builds one with
+        # self.__class__(...)) has no FSDP state: it is built as the user's own class.
+        original = _user_class(cls)
+        instance = original.__new__(original) if original.__new__ is object.__new__ else original.__new__(original, *args, **kwargs)
+        instance.__init__(*args, **kwargs)
+        return instance
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        raise RuntimeError(
+            f"fsdp_compile: copy.deepcopy of a fully_shard module ({type(self).__name__}) is not supported: its "
+            "parameters are shards tied to process groups. Deep-copy the model before fully_shard, or build a new "
+            "model and load this one's state_dict() into it."
+        )
+
     def _fsdp_state(self) -> FSDPState:
         state = state_of(self)  # type: ignore[arg-type]
         assert state is not None, "FSDPModule without fully_shard state"
@@ -152,6 +167,15 @@ class FSDPModule:
         return result
 
 
+def _user_class(cls: type) -> type:
+    """The class the user wrote, under our FSDP class and our traced-parameter class."""
+    for klass in cls.__mro__:
+        if klass is FSDPModule or issubclass(klass, FSDPModule) or "_fsdp_compile_property_base" in klass.__dict__:
+            continue
+        return klass
+    raise AssertionError(f"no user class in {cls.__mro__}")
+
+
 def _state_of_fsdp_module(module: Any, caller: str) -> FSDPState:
     state = state_of(module) if isinstance(module, nn.Module) else None
     if state is None:
@@ -191,7 +215,8 @@ def fully_shard(
         reshard_after_forward: ``True`` frees parameters after forward (re-all-gathered in
             backward); ``False`` keeps them; an ``int`` keeps them sharded over blocks of that
             many ranks; ``None``: ``True`` except for the root module.
-        shard_placement_fn: only ``None`` (dim-0 sharding) is supported.
+        shard_placement_fn: ``fn(param) -> Shard(dim) | None`` picks each parameter's sharded dim
+            (``None``: dim 0), as in FSDP2. A dim > 0 must split evenly over the shard mesh.
         mp_policy: mixed-precision dtypes, see :class:`MixedPrecisionPolicy`.
         offload_policy: :class:`CPUOffloadPolicy` keeps shards and gradients on CPU.
         ignored_params: parameters left alone (not sharded, not reduced).
@@ -206,13 +231,17 @@ def fully_shard(
     for m in modules:
         if not isinstance(m, nn.Module):
             raise TypeError(f"fully_shard takes an nn.Module or a list of them, got {type(m).__name__}")
+        if type(m).forward is nn.Module.forward:
+            raise ValueError(
+                f"fully_shard({type(m).__name__}): this container has no forward(), so the hooks that all-gather "
+                "its parameters would never run when its items do. Apply fully_shard to each item "
+                "(for block in model.layers: fully_shard(block)) or to the module whose forward calls them."
+            )
         if state_of(m) is not None:
             raise ValueError(
                 f"fully_shard was already applied to this {type(m).__name__}; apply it once per module "
                 "(bottom-up: blocks first, then the model)"
             )
-    if shard_placement_fn is not None:
-        raise NotImplementedError("fsdp_compile shards on dim 0 only: pass shard_placement_fn=None")
     mesh = mesh if mesh is not None else default_mesh()
     info = mesh_info_for(mesh)
     if mesh.device_type == "cuda" and not torch.cuda.is_available():
@@ -225,6 +254,7 @@ def fully_shard(
     post_forward_size = _check_reshard_after_forward(reshard_after_forward, info, label)
     params, refs = _collect_params(modules, {id(p) for p in ignored_params or ()})
     _check_params(params, refs, device, label)
+    shard_dims = [_shard_dim(param, refs[id(param)][0].fqn, shard_placement_fn, info, label) for param in params]
     post_forward_info = post_forward_mesh_info_for(info, post_forward_size) if post_forward_size else None
     _move_buffers(modules, device)
 
@@ -232,9 +262,9 @@ def fully_shard(
     fsdp_params = [
         FSDPParam(
             param, refs[id(param)], info, post_forward_info, device, mp_policy.param_dtype, mp_policy.reduce_dtype,
-            offload_to_cpu=offload, pin_memory=offload and offload_policy.pin_memory,
+            offload_to_cpu=offload, pin_memory=offload and offload_policy.pin_memory, shard_dim=shard_dim,
         )
-        for param in params
+        for param, shard_dim in zip(params, shard_dims)
     ]
     for param in params:
         setattr(param, _OWNER_ATTR, label)
@@ -261,6 +291,31 @@ def fully_shard(
             _fsdp_classes[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
         m.__class__ = _fsdp_classes[cls]
     return module
+
+
+def _shard_dim(param: nn.Parameter, name: str, shard_placement_fn: Callable | None, info: MeshInfo, label: str) -> int:
+    """The dim ``shard_placement_fn`` shards ``param`` on (0 without one), checked."""
+    from torch.distributed.tensor import Shard
+
+    placement = None if shard_placement_fn is None else shard_placement_fn(param)
+    if placement is None:
+        return 0
+    if not isinstance(placement, Shard):
+        raise ValueError(
+            f"fully_shard({label}): shard_placement_fn returned {placement!r} for '{name}'; it must return "
+            "Shard(dim) or None. A per-parameter mesh (ShardPlacementResult) is not supported: shard such "
+            "parameters (e.g. MoE experts) with a separate fully_shard call on their own mesh."
+        )
+    dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
+    if not 0 <= dim < param.dim():
+        raise ValueError(f"fully_shard({label}): shard_placement_fn returned Shard({placement.dim}) for the {param.dim()}-D '{name}'")
+    if dim > 0 and param.shape[dim] % info.shard_size != 0:
+        raise ValueError(
+            f"fully_shard({label}): '{name}' has {param.shape[dim]} entries on dim {dim}, which do not split evenly "
+            f"over the {info.shard_size} shard ranks. Sharding on a dim > 0 must be even (as in FSDP2): return "
+            "Shard(0) for this parameter, or pad its shape."
+        )
+    return dim
 
 
 def _label_groups(modules: tuple[nn.Module, ...]) -> None:
@@ -377,3 +432,11 @@ def _move_buffers(modules: tuple[nn.Module, ...], device: torch.device) -> None:
             for name, buffer in submodule._buffers.items():
                 if buffer is not None and buffer.device != device and buffer.device.type != "meta":
                     submodule._buffers[name] = buffer.to(device)
+
+
+def _fully_shard_state(module: nn.Module) -> FSDPState | None:
+    """``fully_shard.state(module)``: the state ``fully_shard`` attached to ``module`` (FSDP2's accessor), or None."""
+    return state_of(module)
+
+
+fully_shard.state = _fully_shard_state  # type: ignore[attr-defined]

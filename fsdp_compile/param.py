@@ -1,7 +1,6 @@
 """FSDPParam: one parameter's sharded and unsharded views and the switch between them."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from enum import Enum, auto
 
@@ -9,10 +8,11 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from fsdp_compile.layout import ShardLayout
 from fsdp_compile.mesh import MeshInfo, PostForwardMeshInfo
 from fsdp_compile.traceable import TraceInfo
 
-__all__ = ["ShardedState", "ParamRef", "FSDPParam", "shard_rows"]
+__all__ = ["ShardedState", "ParamRef", "FSDPParam"]
 
 
 class ShardedState(Enum):
@@ -30,17 +30,6 @@ class ParamRef:
     module: nn.Module
     name: str
     fqn: str
-
-
-def shard_rows(dim0: int, world_size: int, rank: int) -> tuple[int, int, int]:
-    """(rows per rank after padding, first row of ``rank``, rows ``rank`` really holds).
-
-    Same split as ``torch.chunk`` and DTensor's ``Shard(0)``: ceil-sized chunks, the last
-    ranks holding fewer (possibly zero) rows.
-    """
-    padded_rows = math.ceil(dim0 / world_size) if dim0 else 0
-    start = min(rank * padded_rows, dim0)
-    return padded_rows, start, max(0, min(padded_rows, dim0 - start))
 
 
 def _set_on_module(ref: ParamRef, value: nn.Parameter) -> None:
@@ -71,6 +60,7 @@ class FSDPParam:
         reduce_dtype: torch.dtype | None,
         offload_to_cpu: bool,
         pin_memory: bool,
+        shard_dim: int = 0,
     ) -> None:
         self.refs = refs
         self.fqn = refs[0].fqn
@@ -80,9 +70,17 @@ class FSDPParam:
         self.offload_to_cpu = offload_to_cpu
         self.pin_memory = pin_memory
         self.orig_size = param.shape
-        self.orig_dtype = param.dtype
-        self.param_dtype = param_dtype if param_dtype is not None else param.dtype
-        self.reduce_dtype = reduce_dtype if reduce_dtype is not None else self.param_dtype
+        # See [Note: shard layout] in layout.py.
+        self.layout = ShardLayout(tuple(param.shape), shard_dim, mesh_info.shard_size, mesh_info.shard_rank)
+        self.post_forward_layout = (
+            None if post_forward_mesh_info is None
+            else self.layout.for_group(post_forward_mesh_info.shard_size, post_forward_mesh_info.shard_rank)
+        )
+        self.placements = mesh_info.placements(shard_dim)
+        # The policy's dtypes (None: follow the parameter's own dtype, also after module.to(dtype)).
+        self._policy_param_dtype = param_dtype
+        self._policy_reduce_dtype = reduce_dtype
+        self._set_dtypes(param.dtype)
         self.sharded_param = self._make_sharded_param(param)
         self._unsharded_param: nn.Parameter | None = None
         self.post_forward_shard: torch.Tensor | None = None
@@ -94,33 +92,33 @@ class FSDPParam:
         for ref in refs:
             _set_on_module(ref, self.sharded_param)
 
+    def _set_dtypes(self, orig_dtype: torch.dtype) -> None:
+        self.orig_dtype = orig_dtype
+        self.param_dtype = self._policy_param_dtype if self._policy_param_dtype is not None else orig_dtype
+        self.reduce_dtype = self._policy_reduce_dtype if self._policy_reduce_dtype is not None else self.param_dtype
+
     # --- layout -----------------------------------------------------------------------
     @property
-    def row_numel(self) -> int:
-        return math.prod(self.orig_size[1:])
-
-    @property
     def padded_shard_numel(self) -> int:
-        return shard_rows(self.orig_size[0], self.mesh_info.shard_size, 0)[0] * self.row_numel
+        return self.layout.padded_shard_numel
 
     @property
     def padded_post_forward_numel(self) -> int:
-        assert self.post_forward_mesh_info is not None
-        return shard_rows(self.orig_size[0], self.post_forward_mesh_info.shard_size, 0)[0] * self.row_numel
+        assert self.post_forward_layout is not None
+        return self.post_forward_layout.padded_shard_numel
 
     @property
     def shard_device(self) -> torch.device:
         return torch.device("cpu") if self.offload_to_cpu else self.device
 
     def _make_sharded_param(self, param: nn.Parameter) -> nn.Parameter:
-        _, start, rows = shard_rows(self.orig_size[0], self.mesh_info.shard_size, self.mesh_info.shard_rank)
         # Meta parameters stay on meta until the user materializes them (module.to_empty).
         target = param.device if param.device.type == "meta" else self.shard_device
-        local = param.detach().narrow(0, start, rows).to(target).clone(memory_format=torch.contiguous_format)
+        local = self.layout.shard_of(param.detach()).to(target).clone(memory_format=torch.contiguous_format)
         if self.offload_to_cpu and self.pin_memory and local.device.type == "cpu" and torch.cuda.is_available():
             local = local.pin_memory()
         dtensor = DTensor.from_local(
-            local, self.mesh_info.mesh, self.mesh_info.placements, run_check=False,
+            local, self.mesh_info.mesh, self.placements, run_check=False,
             shape=self.orig_size, stride=torch.empty(self.orig_size, device="meta").stride(),
         )
         return nn.Parameter(dtensor, requires_grad=param.requires_grad)
@@ -136,14 +134,15 @@ class FSDPParam:
         return local
 
     def all_gather_input(self) -> torch.Tensor:
-        """What this rank contributes to the next all-gather, on the device."""
+        """What this rank contributes to the next all-gather, on the device, in the dim-0 view
+        (unpadded: the copy-in pads it; see [Note: shard layout])."""
         if self.sharded_state == ShardedState.SHARDED_POST_FORWARD:
             assert self.post_forward_shard is not None
             return self.post_forward_shard
         shard = self.local_shard()
         if shard.device != self.device:  # CPU offload
             shard = shard.to(self.device, non_blocking=True)
-        return shard
+        return self.layout.to_dim0(shard).contiguous()
 
     # --- unsharded parameter ---------------------------------------------------------------
     @property
@@ -156,14 +155,24 @@ class FSDPParam:
         return self._unsharded_param
 
     def unsharded_data_for_copy_out(self) -> torch.Tensor:
-        """The unsharded parameter's data with storage allocated, ready to be filled."""
+        """Where the all-gather copy-out writes, contiguous in the dim-0 view: the unsharded
+        parameter's data with its storage allocated, or for a parameter sharded on a dim > 0 a
+        temporary that :meth:`finish_copy_out` moves into it."""
         param = self.unsharded_param
         storage = param.untyped_storage()
         nbytes = param.numel() * param.element_size()
         if storage.size() != nbytes:
             storage.resize_(nbytes)
-        param.requires_grad_(self.sharded_param.requires_grad)
-        return param.data
+        if param.requires_grad != self.sharded_param.requires_grad:  # requires_grad_ is refused under torch.func
+            param.requires_grad_(self.sharded_param.requires_grad)
+        if self.layout.dim == 0:
+            return param.data
+        return torch.empty(self.layout.dim0_shape(), dtype=param.dtype, device=param.device)
+
+    def finish_copy_out(self, written: torch.Tensor) -> None:
+        """Place what the copy-out wrote (see :meth:`unsharded_data_for_copy_out`) in the parameter."""
+        if self.layout.dim != 0:
+            self.unsharded_param.data.copy_(self.layout.from_dim0(written))
 
     def free_unsharded(self) -> None:
         if self._unsharded_param is not None:
@@ -188,22 +197,73 @@ class FSDPParam:
 
     def to_sharded_post_forward(self) -> None:
         """Keep only this rank's rows of the smaller post-forward split; expose the sharded parameter."""
-        info = self.post_forward_mesh_info
-        assert info is not None and self.sharded_state == ShardedState.UNSHARDED
-        _, start, rows = shard_rows(self.orig_size[0], info.shard_size, info.shard_rank)
-        self.post_forward_shard = self.unsharded_param.data.narrow(0, start, rows).clone()
+        layout = self.post_forward_layout
+        assert layout is not None and self.sharded_state == ShardedState.UNSHARDED
+        rows = layout.shard_of(self.unsharded_param.data)
+        self.post_forward_shard = layout.to_dim0(rows).clone(memory_format=torch.contiguous_format)
         for ref in self.refs:
             _set_on_module(ref, self.sharded_param)
         self.free_unsharded()
         self.sharded_state = ShardedState.SHARDED_POST_FORWARD
+
+    def replace_sharded_param(self, value: torch.Tensor) -> None:
+        """Make ``value`` this parameter from now on, at every place it is registered.
+
+        ``module.weight = nn.Parameter(full)`` after ``fully_shard`` (meta-device init, loading with
+        ``assign=True``) goes through here: a full tensor of the original shape is sharded like the
+        original was; a ``DTensor`` laid out like the shard is taken as it is.
+        """
+        if self.sharded_state != ShardedState.SHARDED:
+            raise RuntimeError(
+                f"fsdp_compile: '{self.fqn}' was assigned while its group holds unsharded parameters (during "
+                "forward/backward, or on a module with reshard_after_forward=False). Assign it between steps, "
+                "after calling reshard() on its fully_shard module."
+            )
+        if value.dtype != self.orig_dtype:
+            raise ValueError(
+                f"fsdp_compile: '{self.fqn}' was assigned a {value.dtype} tensor but its group holds {self.orig_dtype} "
+                "parameters; assign a tensor of the same dtype (use module.to(dtype) to change every parameter's dtype)."
+            )
+        if isinstance(value, DTensor):
+            if value.device_mesh != self.mesh_info.mesh or tuple(value.placements) != self.placements or value.shape != self.orig_size:
+                raise ValueError(
+                    f"fsdp_compile: '{self.fqn}' was assigned a DTensor of shape {tuple(value.shape)} with placements "
+                    f"{tuple(value.placements)}; it needs shape {tuple(self.orig_size)} with {self.placements} "
+                    "on the group's mesh. Assign the full tensor instead and it is sharded for you."
+                )
+            new = value if isinstance(value, nn.Parameter) else nn.Parameter(value, requires_grad=value.requires_grad)
+        elif tuple(value.shape) == tuple(self.orig_size):
+            new = self._make_sharded_param(value)
+        else:
+            raise ValueError(
+                f"fsdp_compile: '{self.fqn}' was assigned a tensor of shape {tuple(value.shape)}, but fully_shard sharded "
+                f"a parameter of shape {tuple(self.orig_size)}. Assign a full tensor of that shape."
+            )
+        self.sharded_param = new
+        self._unsharded_param = None
+        for ref in self.refs:
+            _set_on_module(ref, new)
+
+    def adopt_registered_param(self) -> None:
+        """Lazy init: a tensor put straight into ``module._parameters`` after ``fully_shard`` (not
+        through ``module.<name> = ...``, which replaces at once) replaces the sharded parameter too."""
+        registered = [ref.module._parameters.get(ref.name) for ref in self.refs]
+        if self.sharded_state != ShardedState.SHARDED or all(value is self.sharded_param for value in registered):
+            return
+        if len({id(value) for value in registered}) > 1 or registered[0] is None:
+            places = ", ".join(f"'{ref.fqn}'" for ref in self.refs)
+            raise ValueError(
+                f"fsdp_compile: the parameter registered at {places} (tied) was replaced at some of these places only. "
+                "Assign the same tensor at every place (re-tie the weights), or untie them before fully_shard."
+            )
+        self.replace_sharded_param(registered[0])
 
     def reset_after_module_apply(self) -> None:
         """After ``module.to(...)``/``to_empty``: pick up the new local tensor, drop stale buffers."""
         registered = self.refs[0].module._parameters[self.refs[0].name]
         if isinstance(registered, nn.Parameter) and isinstance(registered.data, DTensor):
             self.sharded_param = registered
-        local = self.sharded_param._local_tensor
-        self.orig_dtype = local.dtype
+        self._set_dtypes(self.sharded_param._local_tensor.dtype)
         self._unsharded_param = None
         self.post_forward_shard = None
 
@@ -246,12 +306,19 @@ class FSDPParam:
             return local, False
         return grad._local_tensor, True
 
+    def run_post_accumulate_grad_hooks(self) -> None:
+        """``Tensor.register_post_accumulate_grad_hook`` hooks of the sharded parameter, as autograd
+        would run them: once its ``.grad`` holds this step's reduced gradient (optimizer in backward)."""
+        hooks = getattr(self.sharded_param, "_post_accumulate_grad_hooks", None)
+        for hook in list((hooks or {}).values()):
+            hook(self.sharded_param)
+
     def set_sharded_grad(self, local_grad: torch.Tensor) -> None:
         if self.sharded_param.grad is not None and self.sharded_param.grad._local_tensor is local_grad:
             return
         if local_grad.device != self.shard_device:
             local_grad = local_grad.to(self.shard_device, non_blocking=True)
         self.sharded_param.grad = DTensor.from_local(
-            local_grad, self.mesh_info.mesh, self.mesh_info.placements, run_check=False,
+            local_grad, self.mesh_info.mesh, self.placements, run_check=False,
             shape=self.orig_size, stride=self.sharded_param.stride(),
         )

@@ -1,7 +1,9 @@
 """FSDPParamGroup: the parameters of one ``fully_shard`` call, moved by one collective each way."""
 from __future__ import annotations
 
+import functools
 from enum import Enum, auto
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -11,10 +13,24 @@ from fsdp_compile.collectives import PendingAllGather, PendingReduceScatter
 from fsdp_compile.device import DeviceHandle
 from fsdp_compile.kernels import ops
 from fsdp_compile.mesh import MeshInfo, PostForwardMeshInfo
-from fsdp_compile.param import FSDPParam, ShardedState, shard_rows
+from fsdp_compile.param import FSDPParam, ShardedState
 from fsdp_compile.traceable import TraceInfo
 
 __all__ = ["TrainingState", "FSDPParamGroup"]
+
+
+def _outside_functorch(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Run ``method`` with functorch transforms (``torch.func.jvp``/``vmap``) off: the unsharded
+    parameters are real tensors whose storage we resize, never a transform's wrapper of one."""
+
+    @functools.wraps(method)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if torch._C._are_functorch_transforms_active():
+            with torch._C._DisableFuncTorch():
+                return method(*args, **kwargs)
+        return method(*args, **kwargs)
+
+    return run
 
 
 class TrainingState(Enum):
@@ -81,8 +97,9 @@ class FSDPParamGroup:
             fsdp_param.trace_info = TraceInfo(
                 fqn=fsdp_param.fqn,
                 group=self.label,
-                dim0=fsdp_param.orig_size[0],
-                padded_rows=shard_rows(fsdp_param.orig_size[0], info.shard_size, 0)[0],
+                shard_dim=fsdp_param.layout.dim,
+                dim_size=fsdp_param.layout.size,
+                chunk=fsdp_param.layout.chunk,
                 world_size=info.shard_size,
                 group_name=info.shard_group.group_name,
                 param_dtype=fsdp_param.param_dtype,
@@ -113,6 +130,7 @@ class FSDPParamGroup:
     def has_unshard_in_flight(self) -> bool:
         return self._pending_all_gather is not None
 
+    @_outside_functorch
     def unshard(self, reason: str = "explicit") -> None:
         """Issue the all-gather (no wait); a no-op when unsharded or already in flight."""
         if self.is_unsharded or self._pending_all_gather is not None:
@@ -132,6 +150,7 @@ class FSDPParamGroup:
         )
         self.post_optim_event = None
 
+    @_outside_functorch
     def wait_for_unshard(self) -> None:
         """Finish the in-flight all-gather and expose the unsharded parameters on the modules."""
         if self.is_unsharded:
@@ -149,10 +168,13 @@ class FSDPParamGroup:
         with torch.no_grad():
             outs = [p.unsharded_data_for_copy_out() for p in self.fsdp_params]
             ops.all_gather_copy_out(gathered, padded, outs)
+            for fsdp_param, out in zip(self.fsdp_params, outs):
+                fsdp_param.finish_copy_out(out)
         for fsdp_param in self.fsdp_params:
             fsdp_param.to_unsharded()
         self.sharded_state = ShardedState.UNSHARDED
 
+    @_outside_functorch
     def reshard(self) -> None:
         """Back to the sharded parameters; a prefetched all-gather still in flight is finished first."""
         if self._pending_all_gather is not None:
@@ -206,7 +228,7 @@ class FSDPParamGroup:
             grad = fsdp_param.take_unsharded_grad()
             if grad is not None:
                 params.append(fsdp_param)
-                grads.append(grad.contiguous())
+                grads.append(fsdp_param.layout.to_dim0(grad).contiguous())
         if not params:
             return
         # Older reductions finish now: one in flight at a time bounds the reduce buffers' memory.
@@ -240,24 +262,34 @@ class FSDPParamGroup:
         accumulate = any(had_grad)
         if accumulate and not all(had_grad):
             outs = tuple(out if had else out.zero_() for out, had in zip(outs, had_grad))
-        on_device = tuple(out if out.device == self.device else torch.empty_like(out, device=self.device) for out in outs)
+        # The copy-out writes each shard in the dim-0 view on the device: straight into the gradient
+        # when that is where it lives, else into a temporary moved in afterwards (CPU offload, a
+        # parameter sharded on a dim > 0).
+        targets = [
+            out if out.device == self.device and p.layout.dim == 0
+            else torch.empty(p.layout.dim0_shape(tuple(out.shape)), dtype=out.dtype, device=self.device)
+            for p, out in zip(params, outs)
+        ]
         with torch.no_grad():
             # Identity, not ``==``: a tuple compare would fall back to elementwise tensor equality.
-            all_on_device = all(device_out is out for device_out, out in zip(on_device, outs))
-            ops.reduce_scatter_copy_out(reduced, padded, list(on_device), post_divide, accumulate and all_on_device)
-            for fsdp_param, out, device_out in zip(params, outs, on_device):
-                if device_out is not out:  # CPU offload: the device result goes back to the CPU gradient
-                    out.add_(device_out.to(out.device)) if accumulate else out.copy_(device_out)
+            all_direct = all(target is out for target, out in zip(targets, outs))
+            ops.reduce_scatter_copy_out(reduced, padded, targets, post_divide, accumulate and all_direct)
+            for fsdp_param, out, target in zip(params, outs, targets):
+                if target is not out:
+                    value = fsdp_param.layout.from_dim0(target).to(out.device)
+                    out.add_(value) if accumulate else out.copy_(value)
                 fsdp_param.set_sharded_grad(out)
+        for fsdp_param in params:
+            fsdp_param.run_post_accumulate_grad_hooks()
 
     def finalize_backward(self) -> None:
         """End of backward (root callback): reduce what post-backward missed, wait, reset."""
         if self._pending_all_gather is not None:
             # Prefetched but never used in this backward.
             self.wait_for_unshard()
-        if not self.ran_post_backward and (
-            self.training_state == TrainingState.PRE_BACKWARD or self._has_unsharded_grads()
-        ):
+        # Gradients that arrived after this group's post-backward (a module of the group whose
+        # backward ran after the trigger fired) are reduced now rather than left for the next step.
+        if self._has_unsharded_grads() or (not self.ran_post_backward and self.training_state == TrainingState.PRE_BACKWARD):
             self.post_backward()
         elif self.is_unsharded and self.reshard_after_backward:
             self.reshard()

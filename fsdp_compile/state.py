@@ -17,11 +17,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from fsdp_compile import config
 from fsdp_compile.api import BackwardPrefetch, MixedPrecisionPolicy
 from fsdp_compile.param_group import FSDPParamGroup, TrainingState
+from fsdp_compile.structures import map_tensors, tensors_in
 
 __all__ = ["FSDPState", "state_of", "all_states_under"]
 
@@ -81,7 +81,7 @@ class _PostBackwardTrigger(torch.autograd.Function):
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
-    return tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype else x, tree)
+    return map_tensors(lambda x: x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x, tree)
 
 
 class FSDPState:
@@ -165,6 +165,7 @@ class FSDPState:
                 # The root's parameters are needed first in backward: keep them (FSDP2's default).
                 state.group.reshard_after_forward = not state.is_root
             for fsdp_param in state.group.fsdp_params:
+                fsdp_param.adopt_registered_param()
                 if fsdp_param.local_shard().device.type == "meta":
                     raise RuntimeError(
                         f"fsdp_compile: parameter '{fsdp_param.fqn}' is still on the meta device at the first forward. "
@@ -194,27 +195,34 @@ class FSDPState:
                 "Use torch.compile(model, backend='fsdp_inductor') with compiled autograd, or turn one of the two off."
             )
         if self.training_state == TrainingState.PRE_BACKWARD:
-            # Activation-checkpoint recompute inside backward: parameters are already unsharded.
-            return args, kwargs
+            # Activation-checkpoint recompute inside backward: parameters are already unsharded,
+            # and the inputs are cast as in forward, or recompute would see other dtypes.
+            return self._cast_forward_inputs(args, kwargs)
         if self.is_root is None:
             self._lazy_init()
         ctx = self.root_ctx
         assert ctx is not None
         if self.is_root:
             self._root_pre_forward()
-            args, kwargs = tree_map(lambda x: x.to(self.device) if isinstance(x, torch.Tensor) and x.device != self.device else x, (args, kwargs))
+            args, kwargs = map_tensors(lambda x: x.to(self.device) if x.device != self.device else x, (args, kwargs))
         self.training_state = TrainingState.FORWARD
         args, kwargs = self._cast_forward_inputs(args, kwargs)
         group = self.group
+        # [Note: one post-backward trigger per group forward]
+        # A group of several modules (fully_shard([a, b])) hooks its post-backward onto the inputs of
+        # the first of them to run, once per forward through the group: when gradients reach those
+        # inputs, every module of the group has finished its backward. Hooking each module's inputs
+        # would reduce after b's backward, before a's weight gradient exists.
+        entering_group = not self._modules_to_run_forward
         if group is not None:
-            if not self._modules_to_run_forward:
+            if entering_group:
                 self._modules_to_run_forward = {id(m) for m in self.modules}
             group.pre_forward()
             if group not in ctx.forward_order:
                 ctx.forward_order.append(group)
             self._prefetch_forward(ctx)
             group.wait_for_unshard()
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and entering_group:
             args, kwargs = self._hook_post_backward_to_inputs(args, kwargs)
         return args, kwargs
 
@@ -254,8 +262,8 @@ class FSDPState:
         return output
 
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        if self.training_state == TrainingState.PRE_BACKWARD:
-            return output
+        if self.training_state == TrainingState.PRE_BACKWARD:  # activation-checkpoint recompute
+            return self._cast_output(output)
         ctx = self.root_ctx
         assert ctx is not None
         group = self.group
@@ -281,18 +289,15 @@ class FSDPState:
 
     # --- backward -------------------------------------------------------------------------------
     def _hook_post_backward_to_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        flat, spec = tree_flatten((args, kwargs))
-        positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
-        if not positions or self.group is None:
+        needing_grad = list({id(x): x for x in tensors_in((args, kwargs)) if x.requires_grad}.values())
+        if not needing_grad or self.group is None:
             return args, kwargs
-        hooked = _PostBackwardTrigger.apply(self, *(flat[i] for i in positions))
+        hooked = dict(zip((id(x) for x in needing_grad), _PostBackwardTrigger.apply(self, *needing_grad)))
         self._unfired_post_backward_triggers += 1
-        for i, tensor in zip(positions, hooked):
-            flat[i] = tensor
-        return tree_unflatten(flat, spec)
+        return map_tensors(lambda x: hooked.get(id(x), x), (args, kwargs))
 
     def _hook_pre_backward_to_outputs(self, output: Any) -> None:
-        tensors = [x for x in tree_flatten(output)[0] if isinstance(x, torch.Tensor) and x.requires_grad]
+        tensors = [x for x in tensors_in(output) if x.requires_grad]
         if tensors:
             register_multi_grad_hook(tensors, lambda grads: self._pre_backward(), mode="any")
 

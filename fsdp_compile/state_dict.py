@@ -2,7 +2,7 @@
 
 [Note: state dicts go through hooks on each fully_shard module]
 ``model.state_dict()`` and ``model.load_state_dict()`` stay nn.Module's own; ``fully_shard``
-registers four hooks on each module it takes (``register_state_dict_hooks``):
+registers three hooks on each module it takes (``register_state_dict_hooks``):
 
 - before save / load: refuse mid-forward/backward and inside ``unshard_params``, and reshard the
   group, so the registered parameters are the sharded ``DTensor`` ones (an unsharded group outside
@@ -10,7 +10,9 @@ registers four hooks on each module it takes (``register_state_dict_hooks``):
   its next use);
 - after save: turn this module's entries into the requested kind (``StateDictType``);
 - before load: turn whatever kind was given (DTensor, full tensor, local shard) into a DTensor
-  with the parameter's own placements, so nn.Module's ``param.copy_(value)`` is a local copy.
+  with the parameter's own placements, so nn.Module's ``param.copy_(value)`` is a local copy
+  (``load_state_dict(assign=True)`` assigns that DTensor, which ``FSDPParam.replace_sharded_param``
+  takes as the new shard).
 
 Each hook handles exactly "its" entries: its group's parameters, plus the buffers and unmanaged
 parameters of its subtree that no nested ``fully_shard`` module owns.
@@ -47,7 +49,7 @@ from fsdp_compile.api import (
     StateDictType,
 )
 from fsdp_compile.collectives import CollectiveRecord, all_gather_single, record
-from fsdp_compile.param import FSDPParam, shard_rows
+from fsdp_compile.param import FSDPParam
 from fsdp_compile.param_group import TrainingState
 from fsdp_compile.state import FSDPState, all_states_under, state_of
 
@@ -128,7 +130,6 @@ def register_state_dict_hooks(state: FSDPState) -> None:
         module.register_state_dict_pre_hook(functools.partial(_pre_state_dict_hook, state))
         module.register_state_dict_post_hook(functools.partial(_post_state_dict_hook, state, index))
         module.register_load_state_dict_pre_hook(functools.partial(_pre_load_state_dict_hook, state, index))
-        module.register_load_state_dict_post_hook(functools.partial(_post_load_state_dict_hook, state))
     _install_compile_wrapper_hook()
 
 
@@ -289,47 +290,34 @@ def _pre_load_state_dict_hook(
             state_dict[key] = _as_sharded(state_dict[key], fsdp_param, key, settings.state_dict_type, local_metadata)
 
 
-def _post_load_state_dict_hook(state: FSDPState, module: nn.Module, incompatible_keys: Any) -> None:
-    if state.group is None:
-        return
-    # load_state_dict(assign=True) registers new Parameter objects: adopt them as the shards.
-    for fsdp_param in state.group.fsdp_params:
-        registered = fsdp_param.refs[0].module._parameters[fsdp_param.refs[0].name]
-        if registered is not fsdp_param.sharded_param and isinstance(registered, nn.Parameter) and isinstance(registered.data, DTensor):
-            fsdp_param.sharded_param = registered
-            for ref in fsdp_param.refs:
-                ref.module._parameters[ref.name] = registered
-
-
 # --- conversions ----------------------------------------------------------------------------------
 
 
 def _gather_full(local: torch.Tensor, fsdp_param: FSDPParam, reason: str) -> torch.Tensor:
-    """The full tensor from each rank's dim-0 rows of it (``local``), in ``local``'s dtype.
+    """The full tensor from each rank's shard of it (``local``), in ``local``'s dtype.
 
     Plain collectives over the shard group, outside the runtime's all-gather: the result is in the
     parameters' own dtype (FSDP1 forces full precision here), not in ``param_dtype``.
     """
     info = fsdp_param.mesh_info
-    dim0 = fsdp_param.orig_size[0]
+    layout = fsdp_param.layout
     local = local.detach().to(fsdp_param.device)  # CPU-offloaded shards travel over the device's backend
     if info.shard_size == 1:
         return local.clone()
-    padded_rows, _, rows = shard_rows(dim0, info.shard_size, info.shard_rank)
-    send = torch.zeros((padded_rows, *fsdp_param.orig_size[1:]), dtype=local.dtype, device=local.device)
-    send[:rows].copy_(local)
-    gathered = torch.empty((padded_rows * info.shard_size, *fsdp_param.orig_size[1:]), dtype=local.dtype, device=local.device)
+    send = layout.padded_dim0_shard(local)
+    gathered = torch.empty((layout.chunk * info.shard_size, *send.shape[1:]), dtype=local.dtype, device=local.device)
     record(CollectiveRecord("all_gather", fsdp_param.fqn, send.numel(), send.dtype, reason))
     all_gather_single(gathered, send, group=info.shard_group)
-    return gathered if gathered.shape[0] == dim0 else gathered[:dim0].clone()
+    full = layout.full_from_gathered(gathered)
+    # A copy when the result is a view of padding or of the dim-0 layout: it outlives the buffer.
+    return full if full.is_contiguous() and full.numel() == gathered.numel() else full.clone(memory_format=torch.contiguous_format)
 
 
 def _padded_local_shard(fsdp_param: FSDPParam) -> torch.Tensor:
-    info = fsdp_param.mesh_info
-    padded_rows, _, rows = shard_rows(fsdp_param.orig_size[0], info.shard_size, info.shard_rank)
+    layout = fsdp_param.layout
     local = fsdp_param.local_shard().detach()
-    padded = local.new_zeros((padded_rows, *fsdp_param.orig_size[1:]))
-    padded[:rows].copy_(local)
+    padded = local.new_zeros(layout.padded_shard_shape)
+    padded.narrow(layout.dim, 0, layout.rows()).copy_(local)
     return padded
 
 
@@ -337,7 +325,7 @@ def _sharded_from_rows(rows_tensor: torch.Tensor, fsdp_param: FSDPParam) -> DTen
     target = fsdp_param.local_shard()
     local = rows_tensor.detach().to(device=target.device).clone(memory_format=torch.contiguous_format)
     return DTensor.from_local(
-        local, fsdp_param.mesh_info.mesh, fsdp_param.mesh_info.placements, run_check=False,
+        local, fsdp_param.mesh_info.mesh, fsdp_param.placements, run_check=False,
         shape=fsdp_param.orig_size, stride=fsdp_param.sharded_param.stride(),
     )
 
@@ -345,11 +333,10 @@ def _sharded_from_rows(rows_tensor: torch.Tensor, fsdp_param: FSDPParam) -> DTen
 def _as_sharded(value: Any, fsdp_param: FSDPParam, key: str, kind: StateDictType, local_metadata: dict) -> Any:
     """``value`` (any kind of state-dict entry) as a DTensor laid out like the parameter."""
     info = fsdp_param.mesh_info
-    _, start, rows = shard_rows(fsdp_param.orig_size[0], info.shard_size, info.shard_rank)
+    layout = fsdp_param.layout
     if kind == StateDictType.LOCAL_STATE_DICT:
         saved_world = local_metadata.get(_LOCAL_WORLD_KEY)
-        padded_rows = shard_rows(fsdp_param.orig_size[0], info.shard_size, 0)[0]
-        expected = (padded_rows, *fsdp_param.orig_size[1:])
+        expected = layout.padded_shard_shape
         if (saved_world is not None and saved_world != info.shard_size) or tuple(value.shape) != expected:
             raise ValueError(
                 f"fsdp_compile: LOCAL_STATE_DICT entry '{key}' was saved at shard world size "
@@ -358,9 +345,9 @@ def _as_sharded(value: Any, fsdp_param: FSDPParam, key: str, kind: StateDictType
                 "size they were saved at: save a SHARDED_STATE_DICT (torch.distributed.checkpoint) or a "
                 "FULL_STATE_DICT to change world size."
             )
-        return _sharded_from_rows(value[:rows], fsdp_param)
+        return _sharded_from_rows(value.narrow(layout.dim, 0, layout.rows()), fsdp_param)
     if isinstance(value, DTensor):
-        if value.device_mesh == info.mesh and tuple(value.placements) == tuple(info.placements):
+        if value.device_mesh == info.mesh and tuple(value.placements) == fsdp_param.placements:
             return value
         value = value.full_tensor()
     if not isinstance(value, torch.Tensor):
@@ -370,7 +357,7 @@ def _as_sharded(value: Any, fsdp_param: FSDPParam, key: str, kind: StateDictType
             f"fsdp_compile: size mismatch for '{key}': the state dict has shape {tuple(value.shape)}, the model's "
             f"parameter is {tuple(fsdp_param.orig_size)}. Load a state dict saved from the same model definition."
         )
-    return _sharded_from_rows(value.narrow(0, start, rows), fsdp_param)
+    return _sharded_from_rows(layout.shard_of(value), fsdp_param)
 
 
 def _to_cpu(value: Any) -> Any:
@@ -542,13 +529,12 @@ def _write_back(fsdp_param: FSDPParam, with_grads: bool) -> None:
             f"{None if full is None else tuple(full.shape)}; the shard needs shape {tuple(fsdp_param.orig_size)}. "
             "Edit parameters in place (e.g. param.copy_(...)) inside the context."
         )
-    info = fsdp_param.mesh_info
-    _, start, rows = shard_rows(fsdp_param.orig_size[0], info.shard_size, info.shard_rank)
+    layout = fsdp_param.layout
     with torch.no_grad():
         local = fsdp_param.local_shard()
-        local.copy_(full.detach().narrow(0, start, rows))
+        local.copy_(layout.shard_of(full.detach()))
         if with_grads and full.grad is not None:
-            grad_rows = full.grad.detach().narrow(0, start, rows)
+            grad_rows = layout.shard_of(full.grad.detach())
             sharded_grad = fsdp_param.sharded_param.grad
             if sharded_grad is None:
                 fsdp_param.set_sharded_grad(grad_rows.to(local.dtype).clone())

@@ -7,7 +7,7 @@ Every module holding a managed parameter gets a class with one property per para
 or unsharded tensor). While Dynamo traces (and ``config.skip_fsdp_hooks`` is off) the hooks
 stand aside and the property returns ``unshard(sharded)`` instead:
 
-    local shard --pad--> --cast param_dtype--> all_gather --wait--> [:dim0] --> full parameter
+    local shard --pad--> --cast param_dtype--> all_gather --wait--> [:size] --> full parameter
     grad shard <--cast orig-- /post <--wait-- reduce_scatter(sum) <-- /pre <--cast reduce_dtype-- grad
 
 so the graph carries one all-gather per parameter read and one reduce-scatter per gradient,
@@ -38,8 +38,10 @@ class TraceInfo:
 
     fqn: str
     group: str
-    dim0: int
-    padded_rows: int
+    # The parameter's split; see [Note: shard layout] in layout.py.
+    shard_dim: int
+    dim_size: int
+    chunk: int
     world_size: int
     group_name: str
     param_dtype: torch.dtype
@@ -61,7 +63,7 @@ class TraceInfo:
 
 
 class _AllGatherShard(torch.autograd.Function):
-    """Padded local shard (orig dtype) -> gathered [world * padded_rows, ...] in param_dtype."""
+    """Padded local shard (orig dtype, dim-0 view) -> gathered [world * chunk, ...] in param_dtype."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -96,14 +98,17 @@ def unshard_for_trace(sharded: torch.Tensor, info: TraceInfo) -> torch.Tensor:
     """The full parameter from its sharded DTensor, as traceable functional collectives."""
     with fx_traceback.annotate(info.annotation()):
         local = sharded.to_local()
+        if info.shard_dim:
+            local = local.movedim(info.shard_dim, 0)
         # Always pad (possibly by 0 rows): every rank must trace the same ops (fingerprint check).
-        padding = [0, 0] * (local.dim() - 1) + [0, info.padded_rows - local.shape[0]]
+        padding = [0, 0] * (local.dim() - 1) + [0, info.chunk - local.shape[0]]
         padded = F.pad(local, padding)
         gathered = _AllGatherShard.apply(
             padded, info.world_size, info.group_name, info.param_dtype, info.reduce_dtype, info.orig_dtype,
             info.pre_divide, info.post_divide, info.replicate_size, info.replicate_group_name,
         )
-        return gathered.narrow(0, 0, info.dim0)
+        full = gathered.narrow(0, 0, info.dim_size)
+        return full.movedim(0, info.shard_dim) if info.shard_dim else full
 
 
 _TRACED_PARAMS_ATTR = "_fsdp_compile_traced_params"
@@ -120,6 +125,16 @@ def _param_property(name: str) -> property:
     return property(read, doc=f"FSDP-managed parameter '{name}' (see [Note: parameter reads under torch.compile])")
 
 
+def _assign_managed(module: torch.nn.Module, name: str, value: object) -> None:
+    """``module.<name> = value``: a managed parameter's new value is sharded in place of the old one
+    (``FSDPParam.replace_sharded_param``), so eager and compiled runs both see it."""
+    managed = module.__dict__.get(_TRACED_PARAMS_ATTR, {})
+    if name in managed and isinstance(value, torch.Tensor):
+        managed[name].replace_sharded_param(value)
+        return
+    type(module)._fsdp_compile_property_base.__setattr__(module, name, value)
+
+
 def install_traced_param_access(module: torch.nn.Module, name: str, fsdp_param: object) -> None:
     """Route ``module.<name>`` through the property above; see [Note: parameter reads under torch.compile]."""
     managed = module.__dict__.setdefault(_TRACED_PARAMS_ATTR, {})
@@ -131,6 +146,7 @@ def install_traced_param_access(module: torch.nn.Module, name: str, fsdp_param: 
     if key not in _property_classes:
         namespace = {param_name: _param_property(param_name) for param_name in managed}
         namespace["_fsdp_compile_property_base"] = base
+        namespace["__setattr__"] = _assign_managed
         namespace["__module__"] = base.__module__
         namespace["__qualname__"] = base.__qualname__
         # Same name as the user's class: printed models and error messages stay familiar.

@@ -4,6 +4,7 @@ Everything here runs inside the gloo worker processes of conftest.py.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Callable
 
@@ -126,3 +127,45 @@ def shard_model(model: Transformer, fully_shard, **kwargs) -> Transformer:
 
 def sharded_copy(reference: nn.Module) -> nn.Module:
     return copy.deepcopy(reference)
+
+
+_PROCESS_GROUP_CALLS = (
+    "all_gather", "all_gather_into_tensor", "all_gather_single", "_all_gather_base", "all_gather_object",
+    "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_reduce", "all_to_all_single",
+    "broadcast", "broadcast_object_list", "barrier", "new_group", "new_subgroups_by_enumeration",
+)
+
+
+@contextlib.contextmanager
+def count_process_group_calls():
+    """Names of the torch.distributed collectives (and group creations) called inside the block.
+
+    Patches the functions where our code and torch's look them up (``torch.distributed``, its
+    ``distributed_c10d`` module and ``fsdp_compile.collectives``' aliases), so an error can be shown
+    to come before anything another rank would have to match.
+    """
+    import torch.distributed.distributed_c10d as c10d
+
+    import fsdp_compile.collectives as ours
+
+    calls: list[str] = []
+    patched: list[tuple[object, str, object]] = []
+
+    def counting(name: str, original):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return original(*args, **kwargs)
+
+        return call
+
+    for owner in (dist, c10d, ours):
+        for attribute, value in list(vars(owner).items()):
+            target = getattr(value, "__name__", None)
+            if callable(value) and (attribute in _PROCESS_GROUP_CALLS or target in _PROCESS_GROUP_CALLS):
+                patched.append((owner, attribute, value))
+                setattr(owner, attribute, counting(attribute, value))
+    try:
+        yield calls
+    finally:
+        for owner, attribute, value in patched:
+            setattr(owner, attribute, value)

@@ -20,7 +20,9 @@ def _forward_backward(runner, micro, micro_batches):
 def _train(model, batches, compiled_model=None, micro_batches: int = 1, compiled_step=None):
     runner = compiled_model if compiled_model is not None else model
     step = compiled_step or _forward_backward
-    optimizer = make_optimizer("adamw", model.parameters())
+    # SGD: AdamW's normalised step turns a reduction-order difference in a near-zero gradient into
+    # a full learning-rate step, so parameters compared after AdamW differ by noise, not by bugs.
+    optimizer = make_optimizer("sgd", model.parameters())
     losses = []
     graphs_after_first_step = None
     for batch in batches:
@@ -59,6 +61,7 @@ def _compiled_vs_eager(mode: str, param_dtype_name: str | None = None, micro_bat
 
         extra["mesh"] = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("replicate", "shard"))
         reference.layers[0].attention.wq.weight.requires_grad_(False)
+    initial = [p.detach().clone() for p in reference.parameters()]
     eager = shard_model(sharded_copy(reference), fsdp_compile.fully_shard, mp_policy=policy, **extra)
     compiled = shard_model(sharded_copy(reference), fsdp_compile.fully_shard, mp_policy=policy, **extra)
     eager_losses = _train(eager, batches, micro_batches=micro_batches)
@@ -97,6 +100,7 @@ def _compiled_vs_eager(mode: str, param_dtype_name: str | None = None, micro_bat
     frames["compiled_autograd_captures"] = torch._dynamo.utils.counters["compiled_autograd"]["captures"]
     breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
     param_diff = max((a - b).abs().max().item() for a, b in zip(_full_params(eager), _full_params(compiled)))
+    frames["moved"] = max((a - b).abs().max().item() for a, b in zip(_full_params(eager), initial))
     return eager_losses, compiled_losses, param_diff, frames, breaks
 
 
@@ -105,8 +109,9 @@ def _assert_matches_eager(result, loss_rtol=1e-6, param_atol=1e-5):
     for step, (a, b) in enumerate(zip(eager_losses, compiled_losses)):
         assert abs(a - b) <= loss_rtol * abs(a), f"step {step}: eager {a} vs compiled {b}"
     assert param_diff <= param_atol, f"parameters differ by {param_diff}"
-    # The eager model trained too, so the comparison is not vacuous.
+    # The eager model trained, by far more than the tolerance: the comparison can fail.
     assert eager_losses[0] != eager_losses[-1]
+    assert frames["moved"] >= 10 * param_atol, f"parameters moved by only {frames['moved']}"
 
 
 def test_fsdp_inductor_fullgraph_matches_eager_without_breaks_or_recompiles(dist):
@@ -121,7 +126,9 @@ def test_fsdp_inductor_fullgraph_matches_eager_without_breaks_or_recompiles(dist
 
 def test_fsdp_inductor_bf16_mixed_precision_matches_eager_within_bf16_rounding(dist):
     result = dist.run(2, _compiled_vs_eager, "fsdp_inductor", "bfloat16")[0]
-    _assert_matches_eager(result, loss_rtol=1e-2, param_atol=1e-2)
+    # Parameters move by about 4e-2 in these steps and compiled bf16 lands within about 4e-4 of
+    # eager bf16 (Inductor keeps fused intermediates in fp32): the tolerance sits between the two.
+    _assert_matches_eager(result, loss_rtol=1e-2, param_atol=2e-3)
     assert result[4] == 0
 
 

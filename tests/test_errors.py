@@ -53,7 +53,14 @@ def test_meta_device_init_then_to_empty_trains(dist):
     assert dist.run(2, _meta_init_flow)[0] < 1e-6
 
 
-class _MixedDtypes(nn.Module):
+class _Module(nn.Module):
+    """A module with a forward: fully_shard refuses containers without one."""
+
+    def forward(self, x):
+        return x
+
+
+class _MixedDtypes(_Module):
     def __init__(self):
         super().__init__()
         self.fp32 = nn.Linear(4, 4)
@@ -121,7 +128,7 @@ def test_cuda_mesh_on_a_machine_without_cuda(dist):
     assert "'cuda' mesh" in message and "init_device_mesh('cpu'" in message
 
 
-class _IntParam(nn.Module):
+class _IntParam(_Module):
     def __init__(self):
         super().__init__()
         self.scale = nn.Linear(2, 2)
@@ -137,7 +144,7 @@ def test_non_floating_point_parameter(dist):
     assert "'steps'" in message and "torch.int64" in message and "ignored_params" in message
 
 
-class _SplitDevices(nn.Module):
+class _SplitDevices(_Module):
     def __init__(self):
         super().__init__()
         self.real = nn.Linear(2, 2)
@@ -165,6 +172,16 @@ def test_non_root_forward_first(dist):
     assert "forward ran on" in message and "before its root 'Transformer'" in message
 
 
-def test_shard_placement_fn_other_than_dim0_is_refused():
-    with pytest.raises(NotImplementedError, match="dim 0"):
-        fully_shard(nn.Linear(2, 2), shard_placement_fn=lambda p: None)
+def test_shard_placement_fn_needs_shard_or_none_and_even_splits_past_dim0():
+    import torch.distributed as torch_dist
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    torch_dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        with pytest.raises(ValueError, match="must return Shard"):
+            fully_shard(nn.Linear(8, 8), shard_placement_fn=lambda p: Replicate())
+        with pytest.raises(ValueError, match="do not split evenly"):
+            fully_shard(nn.Linear(6, 8), shard_placement_fn=lambda p: Shard(1) if p.dim() == 2 else None)
+    finally:
+        torch_dist.destroy_process_group()

@@ -34,7 +34,7 @@ def _strategy_parity(strategy_name: str):
     strategy = ShardingStrategy[strategy_name]
     mesh = None
     if strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
-        mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2))
+        mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("replicate", "shard"))
     batches = global_batches(steps=3, batch_per_rank=2, world_size=dist.get_world_size())
     reference = build_reference()
     model = _shard_fsdp1_style(copy.deepcopy(reference), sharding_strategy=strategy, device_mesh=mesh)

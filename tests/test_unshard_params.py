@@ -143,7 +143,7 @@ def _misuse(case: str):
             with fsdp_compile.unshard_params(model, with_grads=True, offload_to_cpu=True, rank0_only=True, writeback=False):
                 pass
         elif case == "offload_one_rank_shards":
-            mesh = init_device_mesh("cpu", (dist.get_world_size(), 1))
+            mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("replicate", "shard"))
             replicated = _sharded_copy(build_reference(SMALL), mesh=mesh)
             with fsdp_compile.unshard_params(replicated, offload_to_cpu=True, rank0_only=True, writeback=False):
                 pass
