@@ -161,10 +161,28 @@ def fsdp_inductor_with(passes: Any) -> Callable[..., Any]:
     return backend
 
 
+def refuse_all_gather_extensions(gm: fx.GraphModule) -> None:
+    """The traced unshard gathers the shard itself: a parameter whose local shard defines FSDP2's
+    all-gather extension (``fsdp_pre_all_gather``) would silently lose it, so it is refused."""
+    from fsdp_compile.passes.recompute import fsdp_annotation
+    from fsdp_compile.state import live_states
+
+    traced = {(a["fsdp_group"], a["fsdp_param"]) for node in gm.graph.nodes if (a := fsdp_annotation(node)) is not None}
+    for state in live_states():
+        for fsdp_param in state.group.fsdp_params if state.group is not None else ():
+            if (state.group.label, fsdp_param.fqn) in traced and fsdp_param.uses_all_gather_extension:
+                raise NotImplementedError(
+                    f"fsdp_inductor: '{fsdp_param.fqn}' (group '{state.group.label}') has an all-gather extension "
+                    "(fsdp_pre_all_gather / fsdp_post_all_gather), which the compiled graph does not run. Train it "
+                    "with the eager runtime, or compile with fsdp_compile.config.skip_fsdp_hooks = True."
+                )
+
+
 def _compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], passes: Any) -> Any:
     from torch._inductor.compile_fx import compile_fx
 
     check_same_graph_on_all_ranks(gm)
+    refuse_all_gather_extensions(gm)
     pass_config = passes.resolved()
     config_patches = {
         "joint_custom_pre_pass": _RecomputeReshardedParams(),
@@ -206,6 +224,7 @@ def fsdp_aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: 
     from fsdp_compile.passes import apply_post_grad_passes
 
     check_same_graph_on_all_ranks(gm)
+    refuse_all_gather_extensions(gm)
     pass_config = config.passes.resolved()
 
     def partition(joint: fx.GraphModule, joint_inputs: Any, **partition_kwargs: Any) -> Any:

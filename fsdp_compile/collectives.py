@@ -21,7 +21,9 @@ __all__ = [
     "record_collectives",
     "PendingAllGather",
     "PendingReduceScatter",
+    "PendingPackedAllGather",
     "issue_all_gather",
+    "issue_packed_all_gather",
     "issue_reduce_scatter",
     "gradient_divide_factors",
 ]
@@ -143,6 +145,73 @@ def issue_all_gather(
         except Exception as error:  # noqa: BLE001
             _raise_collective_error("all-gather", label, error)
     return PendingAllGather(work, output, label)
+
+
+# Byte offsets of packed inputs are multiples of this, so every output can be viewed in its dtype.
+_PACKED_ALIGNMENT = 16
+
+
+@dataclass
+class PendingPackedAllGather:
+    """A packed all-gather in flight (``issue_packed_all_gather``) and how to unpack it."""
+
+    work: dist.Work | None
+    output: torch.Tensor  # uint8 [world, total_bytes]
+    inputs: list[list[torch.Tensor]]  # per parameter, what this rank sent (shapes and dtypes)
+    offsets: list[list[int]]
+    label: str
+
+    def wait_into(self, outputs: list[list[torch.Tensor]]) -> None:
+        """Copy each input's gathered rows (rank-major, dim-0 concat) into ``outputs`` (same nesting)."""
+        _wait(self.work, "all-gather", self.label)
+        self.work = None
+        world = self.output.shape[0]
+        for sent, starts, targets in zip(self.inputs, self.offsets, outputs):
+            for tensor, start, target in zip(sent, starts, targets):
+                nbytes = tensor.numel() * tensor.element_size()
+                rows = self.output[:, start : start + nbytes].view(tensor.dtype)
+                target.view(world, -1).copy_(rows)
+
+
+def issue_packed_all_gather(
+    inputs: list[list[torch.Tensor]],
+    group: dist.ProcessGroup,
+    world_size: int,
+    rank: int,
+    device: torch.device,
+    device_handle: DeviceHandle,
+    label: str,
+    reason: str,
+) -> PendingPackedAllGather:
+    """One all-gather of tensors of any dtypes and shapes, sent as bytes in one buffer.
+
+    For groups with an all-gather extension (see [Note: all-gather extensions] in param.py),
+    whose inputs may be several tensors per parameter in several dtypes (e.g. int8 data and
+    bf16 scales). Every rank must send the same shapes.
+    """
+    offsets, total = [], 0
+    for sent in inputs:
+        starts = []
+        for tensor in sent:
+            starts.append(total)
+            total += -(-tensor.numel() * tensor.element_size() // _PACKED_ALIGNMENT) * _PACKED_ALIGNMENT
+        offsets.append(starts)
+    output = torch.empty((world_size, total), dtype=torch.uint8, device=device)
+    stream = device_handle.side_stream("all_gather")
+    with device_handle.on_stream(stream):
+        row = output[rank]
+        for sent, starts in zip(inputs, offsets):
+            for tensor, start in zip(sent, starts):
+                raw = tensor.reshape(-1).view(torch.uint8)
+                row[start : start + raw.numel()].copy_(raw)
+        record(CollectiveRecord("all_gather", label, total, torch.uint8, reason))
+        work = None
+        if world_size > 1:
+            try:
+                work = all_gather_single(output.view(-1), row, group=group, async_op=True)
+            except Exception as error:  # noqa: BLE001
+                _raise_collective_error("all-gather", label, error)
+    return PendingPackedAllGather(work, output, inputs, offsets, label)
 
 
 @dataclass

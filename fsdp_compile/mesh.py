@@ -27,6 +27,11 @@ class MeshInfo:
         return (Shard(shard_dim),) if self.replicate_group is None else (Replicate(), Shard(shard_dim))
 
     @property
+    def shard_mesh(self) -> DeviceMesh:
+        """The 1-D mesh of the shard dim (what FSDP2's all-gather extensions are handed)."""
+        return self.mesh if self.mesh.ndim == 1 else self.mesh[self.mesh.mesh_dim_names[1]]
+
+    @property
     def data_parallel_size(self) -> int:
         return self.shard_size * self.replicate_size
 

@@ -261,7 +261,7 @@ def fully_shard(
     offload = isinstance(offload_policy, CPUOffloadPolicy)
     fsdp_params = [
         FSDPParam(
-            param, refs[id(param)], info, post_forward_info, device, mp_policy.param_dtype, mp_policy.reduce_dtype,
+            param, refs[id(param)], info, post_forward_info, device, mp_policy,
             offload_to_cpu=offload, pin_memory=offload and offload_policy.pin_memory, shard_dim=shard_dim,
         )
         for param, shard_dim in zip(params, shard_dims)

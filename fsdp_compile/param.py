@@ -1,13 +1,16 @@
 """FSDPParam: one parameter's sharded and unsharded views and the switch between them."""
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from enum import Enum, auto
+from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from fsdp_compile.api import MixedPrecisionPolicy
 from fsdp_compile.layout import ShardLayout
 from fsdp_compile.mesh import MeshInfo, PostForwardMeshInfo
 from fsdp_compile.traceable import TraceInfo
@@ -38,6 +41,14 @@ def _set_on_module(ref: ParamRef, value: nn.Parameter) -> None:
     ref.module._parameters[ref.name] = value
 
 
+def _allocate_storage(tensor: torch.Tensor) -> None:
+    """Give a tensor whose storage was freed (``resize_(0)``) its bytes back, in place."""
+    storage = tensor.untyped_storage()
+    nbytes = (tensor.storage_offset() + tensor.numel()) * tensor.element_size()
+    if storage.size() < nbytes:
+        storage.resize_(nbytes)
+
+
 class FSDPParam:
     """Owns one parameter's dim-0 shard (a DTensor ``nn.Parameter``) and its unsharded twin.
 
@@ -56,8 +67,7 @@ class FSDPParam:
         mesh_info: MeshInfo,
         post_forward_mesh_info: PostForwardMeshInfo | None,
         device: torch.device,
-        param_dtype: torch.dtype | None,
-        reduce_dtype: torch.dtype | None,
+        mp_policy: MixedPrecisionPolicy,
         offload_to_cpu: bool,
         pin_memory: bool,
         shard_dim: int = 0,
@@ -78,12 +88,15 @@ class FSDPParam:
         )
         self.placements = mesh_info.placements(shard_dim)
         # The policy's dtypes (None: follow the parameter's own dtype, also after module.to(dtype)).
-        self._policy_param_dtype = param_dtype
-        self._policy_reduce_dtype = reduce_dtype
+        self.mp_policy = mp_policy
         self._set_dtypes(param.dtype)
         self.sharded_param = self._make_sharded_param(param)
         self._unsharded_param: nn.Parameter | None = None
         self.post_forward_shard: torch.Tensor | None = None
+        # All-gather extensions: see [Note: all-gather extensions].
+        self._extension_metadata: Any = None
+        self._extension_outputs: list[torch.Tensor] = []
+        self._extension_inner_tensors: list[torch.Tensor] = []
         # Gradient kept unsharded across no-sync steps (set_requires_gradient_sync(False)).
         self.unsharded_accumulated_grad: torch.Tensor | None = None
         self.sharded_state = ShardedState.SHARDED
@@ -94,8 +107,8 @@ class FSDPParam:
 
     def _set_dtypes(self, orig_dtype: torch.dtype) -> None:
         self.orig_dtype = orig_dtype
-        self.param_dtype = self._policy_param_dtype if self._policy_param_dtype is not None else orig_dtype
-        self.reduce_dtype = self._policy_reduce_dtype if self._policy_reduce_dtype is not None else self.param_dtype
+        self.param_dtype = self.mp_policy.param_dtype or orig_dtype
+        self.reduce_dtype = self.mp_policy.reduce_dtype or self.param_dtype
 
     # --- layout -----------------------------------------------------------------------
     @property
@@ -175,11 +188,100 @@ class FSDPParam:
             self.unsharded_param.data.copy_(self.layout.from_dim0(written))
 
     def free_unsharded(self) -> None:
-        if self._unsharded_param is not None:
+        if self._extension_outputs:
+            for tensor in (*self._extension_outputs, *self._extension_inner_tensors):
+                tensor.untyped_storage().resize_(0)
+        elif self._unsharded_param is not None:
             self._unsharded_param.untyped_storage().resize_(0)
 
     def unsharded_storage_bytes(self) -> int:
+        if self._extension_outputs:
+            storages = {t.untyped_storage().data_ptr(): t.untyped_storage().size() for t in (*self._extension_outputs, *self._extension_inner_tensors)}
+            return sum(storages.values())
         return 0 if self._unsharded_param is None else self._unsharded_param.untyped_storage().size()
+
+    # --- all-gather extensions ------------------------------------------------------------------
+    # [Note: all-gather extensions]
+    # A local shard that defines FSDP2's ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` (tensor
+    # subclasses of float8 or NF4 training, or methods bound onto a plain local tensor) decides
+    # what is sent and how the unsharded parameter is built from what arrives:
+    #   pre(mesh, outer_size, outer_stride, module, mp_policy) -> (inputs, metadata)   (or pre(mesh))
+    #   post(outputs, metadata, param_dtype)          -> (unsharded, inner tensors to free)  first time
+    #   post(outputs, metadata, param_dtype, out=unsharded)                                     later
+    # Each output is every rank's input concatenated on dim 0. The outputs are kept across steps:
+    # resharding frees their storage and the inner tensors', unsharding reallocates it in place,
+    # so a tensor saved for backward (the unsharded parameter) is valid again when refilled, as in
+    # [Note: unsharded parameter storage]. A group holding such a parameter all-gathers every input
+    # of every parameter as bytes in one buffer (``collectives.issue_packed_all_gather``).
+    @property
+    def uses_all_gather_extension(self) -> bool:
+        local = self.sharded_param._local_tensor
+        has_pre, has_post = hasattr(local, "fsdp_pre_all_gather"), hasattr(local, "fsdp_post_all_gather")
+        if has_pre != has_post:
+            raise ValueError(
+                f"fsdp_compile: the local shard of '{self.fqn}' defines only one of fsdp_pre_all_gather / "
+                "fsdp_post_all_gather; an all-gather extension needs both."
+            )
+        return has_pre
+
+    def all_gather_inputs(self) -> list[torch.Tensor]:
+        """What this rank sends for this parameter: the extension's inputs, or the padded dim-0 shard
+        in ``param_dtype`` (see [Note: all-gather extensions])."""
+        if not self.uses_all_gather_extension:
+            return [self.layout.padded_dim0_shard(self.local_shard().to(self.device)).to(self.param_dtype)]
+        local = self.local_shard()
+        if local.device != self.device:
+            local = local.to(self.device, non_blocking=True)
+        pre = local.fsdp_pre_all_gather
+        if len(inspect.signature(pre).parameters) == 1:
+            inputs, self._extension_metadata = pre(self.mesh_info.shard_mesh)
+        else:
+            contiguous_stride = torch.empty(self.orig_size, device="meta").stride()
+            inputs, self._extension_metadata = pre(self.mesh_info.shard_mesh, self.orig_size, contiguous_stride, self.refs[0].module, self.mp_policy)
+        layout = self.layout
+        if layout.rows() != layout.chunk and any(tuple(t.shape) != layout.padded_shard_shape for t in inputs):
+            # As in FSDP2: only the ranks holding padding can see this; the others will wait.
+            raise ValueError(
+                f"fsdp_compile: '{self.fqn}' is sharded unevenly ({layout.size} rows over {layout.world_size} ranks) and "
+                f"its fsdp_pre_all_gather returned shapes {[tuple(t.shape) for t in inputs]} on rank {layout.rank}; every "
+                f"rank must send the padded shard shape {layout.padded_shard_shape}: pad inside fsdp_pre_all_gather."
+            )
+        return [t.contiguous() for t in inputs]
+
+    def all_gather_output_buffers(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Where each input's gathered rows go (``world x`` the input's rows, contiguous, allocated)."""
+        world = self.mesh_info.shard_size
+        shapes = [(world * t.shape[0], *t.shape[1:]) if t.dim() else (world,) for t in inputs]
+        if not self.uses_all_gather_extension:
+            return [torch.empty(shape, dtype=t.dtype, device=self.device) for shape, t in zip(shapes, inputs)]
+        if not self._extension_outputs:
+            self._extension_outputs = [torch.empty(shape, dtype=t.dtype, device=self.device) for shape, t in zip(shapes, inputs)]
+        for tensor in self._extension_outputs:
+            _allocate_storage(tensor)
+        return self._extension_outputs
+
+    def finish_unshard_from_outputs(self, outputs: list[torch.Tensor]) -> None:
+        """Build the unsharded parameter from the gathered outputs (the packed all-gather's copy-out)."""
+        if not self.uses_all_gather_extension:
+            (gathered,) = outputs
+            target = self.unsharded_data_for_copy_out()
+            target.copy_(gathered.narrow(0, 0, self.layout.size))  # both in the dim-0 view
+            self.finish_copy_out(target)
+            return
+        local = self.sharded_param._local_tensor
+        if self._unsharded_param is not None:
+            for tensor in self._extension_inner_tensors:
+                _allocate_storage(tensor)
+            local.fsdp_post_all_gather(tuple(outputs), self._extension_metadata, self.param_dtype, out=self._unsharded_param)
+            return
+        unsharded, inner = local.fsdp_post_all_gather(tuple(outputs), self._extension_metadata, self.param_dtype)
+        if tuple(unsharded.shape) != tuple(self.orig_size):
+            raise ValueError(
+                f"fsdp_compile: fsdp_post_all_gather of '{self.fqn}' returned shape {tuple(unsharded.shape)}; the "
+                f"parameter's shape is {tuple(self.orig_size)}"
+            )
+        self._extension_inner_tensors = list(inner)
+        self._unsharded_param = nn.Parameter(unsharded, requires_grad=self.sharded_param.requires_grad)
 
     # --- state transitions ----------------------------------------------------------------
     def to_unsharded(self) -> None:

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from fsdp_compile import collectives
-from fsdp_compile.collectives import PendingAllGather, PendingReduceScatter
+from fsdp_compile.collectives import PendingAllGather, PendingPackedAllGather, PendingReduceScatter
 from fsdp_compile.device import DeviceHandle
 from fsdp_compile.kernels import ops
 from fsdp_compile.mesh import MeshInfo, PostForwardMeshInfo
@@ -82,7 +82,7 @@ class FSDPParamGroup:
         self.post_optim_event: torch.Event | None = None
         self.training_state = TrainingState.IDLE
         self.sharded_state = ShardedState.SHARDED
-        self._pending_all_gather: PendingAllGather | None = None
+        self._pending_all_gather: PendingAllGather | PendingPackedAllGather | None = None
         # HSDP with set_requires_all_reduce(False): reduce-scattered, not yet all-reduced sums.
         self._partial_reduce_output: torch.Tensor | None = None
         # Set by the root state: where in-flight reductions are queued (shared by all groups).
@@ -135,6 +135,9 @@ class FSDPParamGroup:
         """Issue the all-gather (no wait); a no-op when unsharded or already in flight."""
         if self.is_unsharded or self._pending_all_gather is not None:
             return
+        if any(p.uses_all_gather_extension for p in self.fsdp_params):
+            self._unshard_packed(reason)
+            return
         if self.sharded_state == ShardedState.SHARDED_POST_FORWARD:
             info = self.post_forward_mesh_info
             assert info is not None
@@ -150,6 +153,20 @@ class FSDPParamGroup:
         )
         self.post_optim_event = None
 
+    def _unshard_packed(self, reason: str) -> None:
+        """The all-gather of a group with an all-gather extension; see [Note: all-gather extensions]."""
+        if self.sharded_state != ShardedState.SHARDED:
+            raise NotImplementedError(
+                f"fsdp_compile: group '{self.label}' has a parameter with an all-gather extension, which an int "
+                "reshard_after_forward cannot re-gather from its post-forward shard; use True or False."
+            )
+        info = self.mesh_info
+        self._pending_all_gather = collectives.issue_packed_all_gather(
+            [p.all_gather_inputs() for p in self.fsdp_params], info.shard_group, info.shard_size, info.shard_rank,
+            self.device, self.device_handle, self.label, reason,
+        )
+        self.post_optim_event = None
+
     @_outside_functorch
     def wait_for_unshard(self) -> None:
         """Finish the in-flight all-gather and expose the unsharded parameters on the modules."""
@@ -160,6 +177,14 @@ class FSDPParamGroup:
         pending = self._pending_all_gather
         assert pending is not None
         self._pending_all_gather = None
+        if isinstance(pending, collectives.PendingPackedAllGather):
+            with torch.no_grad():
+                outputs = [p.all_gather_output_buffers(sent) for p, sent in zip(self.fsdp_params, pending.inputs)]
+                pending.wait_into(outputs)
+                for fsdp_param, gathered_outputs in zip(self.fsdp_params, outputs):
+                    fsdp_param.finish_unshard_from_outputs(gathered_outputs)
+            self._expose_unsharded()
+            return
         gathered = pending.wait()
         padded = [
             p.padded_post_forward_numel if p.sharded_state == ShardedState.SHARDED_POST_FORWARD else p.padded_shard_numel
@@ -170,6 +195,9 @@ class FSDPParamGroup:
             ops.all_gather_copy_out(gathered, padded, outs)
             for fsdp_param, out in zip(self.fsdp_params, outs):
                 fsdp_param.finish_copy_out(out)
+        self._expose_unsharded()
+
+    def _expose_unsharded(self) -> None:
         for fsdp_param in self.fsdp_params:
             fsdp_param.to_unsharded()
         self.sharded_state = ShardedState.UNSHARDED

@@ -23,10 +23,15 @@ from fsdp_compile.api import BackwardPrefetch, MixedPrecisionPolicy
 from fsdp_compile.param_group import FSDPParamGroup, TrainingState
 from fsdp_compile.structures import map_tensors, tensors_in
 
-__all__ = ["FSDPState", "state_of", "all_states_under"]
+__all__ = ["FSDPState", "state_of", "all_states_under", "live_states"]
 
 _STATE_ATTR = "_fsdp_compile_state"
 _live_states: "weakref.WeakSet[FSDPState]" = weakref.WeakSet()
+
+
+def live_states() -> list["FSDPState"]:
+    """Every FSDP state of a model still alive in this process."""
+    return list(_live_states)
 
 
 def state_of(module: nn.Module) -> "FSDPState | None":

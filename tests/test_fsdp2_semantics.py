@@ -510,3 +510,93 @@ def test_shard_placement_fn_shards_weights_on_dim1_like_fsdp2(dist, compile_mode
     assert result["vs_reference"] < 1e-5
     assert result["moved"] > 1e-3
     assert result["full_state_dict_vs_reference"] < 1e-5
+
+
+# --- 11. all-gather extensions (fsdp_pre_all_gather / fsdp_post_all_gather) -------------------------------
+
+
+def _bf16_wire_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+    return (self.to(torch.bfloat16),), "bf16-wire"
+
+
+def _bf16_wire_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+    (gathered,) = all_gather_outputs
+    assert metadata == "bf16-wire" and gathered.dtype == torch.bfloat16
+    if out is not None:
+        with torch.autograd.grad_mode._unsafe_preserve_version_counter(out):
+            out.data.copy_(gathered)
+        return None
+    upcast = gathered.to(param_dtype)
+    return upcast, (gathered, upcast)
+
+
+def _all_gather_extension_bf16_on_the_wire(reshard_after_forward: bool):
+    torch.manual_seed(0)
+    reference = _Chain()
+    model = copy.deepcopy(reference)
+    fully_shard(model.a, reshard_after_forward=reshard_after_forward)
+    fully_shard(model.b, reshard_after_forward=reshard_after_forward)
+    fully_shard(model)
+    # Bound onto the local shards of the evenly sharded weights (a, b; the head's single row would
+    # need padding inside the extension), as FSDP2's own test does: plain tensors, no subclass.
+    weights = [(name, p) for name, p in model.named_parameters() if name in ("a.weight", "b.weight")]
+    for _, param in weights:
+        local = param._local_tensor
+        local.fsdp_pre_all_gather = _bf16_wire_pre_all_gather.__get__(local)
+        local.fsdp_post_all_gather = _bf16_wire_post_all_gather.__get__(local)
+    batches = _batches(3)
+    loss_fn = lambda out: out.pow(2).mean()  # noqa: E731
+    with fsdp_compile.record_collectives() as log:
+        ours = _sgd_steps(model, batches, loss_fn, shard=True)
+    unrounded = _sgd_steps(copy.deepcopy(reference), batches, loss_fn, shard=False)
+    # Reference: forward and backward see the weights rounded to bf16 (what crossed the wire), the
+    # optimizer steps the full-precision weights with those gradients.
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    rounded = [p for name, p in reference.named_parameters() if name in ("a.weight", "b.weight")]
+    for batch in batches:
+        kept = [p.detach().clone() for p in rounded]
+        with torch.no_grad():
+            for p in rounded:
+                p.copy_(p.bfloat16().float())
+        loss_fn(reference(batch)).backward()
+        with torch.no_grad():
+            for p, value in zip(rounded, kept):
+                p.copy_(value)
+        optimizer.step()
+        optimizer.zero_grad()
+    return {
+        "vs_reference": _max_difference(ours, [p.detach() for p in reference.parameters()]),
+        "vs_unrounded_reference": _max_difference(ours, unrounded),
+        "packed_groups": sorted({r.group for r in log if r.kind == "all_gather" and r.dtype == torch.uint8}),
+        "plain_groups": sorted({r.group for r in log if r.kind == "all_gather" and r.dtype != torch.uint8}),
+    }
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_all_gather_extension_sends_what_fsdp_pre_all_gather_returns(dist, reshard_after_forward):
+    result = dist.run(2, _all_gather_extension_bf16_on_the_wire, reshard_after_forward)[0]
+    assert result["vs_reference"] < 1e-6
+    assert result["vs_unrounded_reference"] > 1e-5, "the bf16 rounding on the wire must show"
+    # The groups holding an extended weight gather packed bytes; the root (head only) its plain shards.
+    assert result["packed_groups"] == ["a", "b"] and result["plain_groups"] == ["_Chain"]
+
+
+def _compiled_all_gather_extension_is_refused():
+    torch.manual_seed(0)
+    model = _Chain()
+    fully_shard(model.a)
+    fully_shard(model)
+    local = model.a.weight._local_tensor
+    local.fsdp_pre_all_gather = _bf16_wire_pre_all_gather.__get__(local)
+    local.fsdp_post_all_gather = _bf16_wire_post_all_gather.__get__(local)
+    torch._dynamo.reset()
+    try:
+        torch.compile(model, backend="fsdp_inductor")(torch.randn(2, DIM))
+    except Exception as error:  # noqa: BLE001 - Dynamo wraps backend errors
+        return str(error)
+    return ""
+
+
+def test_fsdp_inductor_refuses_a_parameter_with_an_all_gather_extension(dist):
+    message = dist.run(1, _compiled_all_gather_extension_is_refused)[0]
+    assert "'weight' (group 'a')" in message and "all-gather extension" in message and "skip_fsdp_hooks" in message
