@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
-from fsdp_compile.device import DeviceHandle
+from fsdp_compile.comm_context import CommContext
 from fsdp_compile.kernels import ops
+from fsdp_compile.mesh import MeshInfo, ShardGroup
 
 __all__ = [
     "CollectiveRecord",
@@ -26,6 +27,7 @@ __all__ = [
     "issue_packed_all_gather",
     "issue_reduce_scatter",
     "gradient_divide_factors",
+    "ReduceSpec",
 ]
 
 # torch 2.13 renamed the tensor collectives; 2.11 has only the old names.
@@ -97,6 +99,31 @@ def gradient_divide_factors(data_parallel_size: int, custom_factor: float | None
     return float(pre), data_parallel_size / pre
 
 
+@dataclass(frozen=True)
+class ReduceSpec:
+    """How one group's gradients are reduced: the eager reduce-scatter and the traced one both
+    follow it, so their arithmetic cannot drift apart. Plain values only (process groups by name),
+    so Dynamo can hold it as a constant and guard on it."""
+
+    reduce_dtype: torch.dtype
+    grad_dtype: torch.dtype  # the sharded gradient's: the parameters' own dtype
+    pre_divide: float
+    post_divide: float
+    shard_size: int
+    shard_group_name: str
+    replicate_size: int
+    replicate_group_name: str | None  # HSDP: the all-reduce across replicas
+
+    @staticmethod
+    def for_group(mesh_info: MeshInfo, reduce_dtype: torch.dtype, grad_dtype: torch.dtype, divide_factor: float | None) -> "ReduceSpec":
+        pre_divide, post_divide = gradient_divide_factors(mesh_info.data_parallel_size, divide_factor)
+        replicate = mesh_info.replicate_group
+        return ReduceSpec(
+            reduce_dtype, grad_dtype, pre_divide, post_divide, mesh_info.shard_size, mesh_info.shard_group.group_name,
+            mesh_info.replicate_size, None if replicate is None else replicate.group_name,
+        )
+
+
 def _wait(work: dist.Work | None, kind: str, label: str) -> None:
     if work is not None:
         try:
@@ -107,13 +134,19 @@ def _wait(work: dist.Work | None, kind: str, label: str) -> None:
 
 @dataclass
 class PendingAllGather:
+    """An all-gather in flight; see [Note: stream protocol] in comm_context.py."""
+
     work: dist.Work | None
     output: torch.Tensor  # [world, group_numel]
     label: str
+    event: Any  # marks the all-gather on its stream (None without streams)
+    overlapped: bool  # issued on the side streams (implicit forward/backward all-gathers)
 
-    def wait(self) -> torch.Tensor:
+    def wait(self, comm: CommContext) -> torch.Tensor:
+        """The gathered buffer, with the current stream ordered after the all-gather."""
         _wait(self.work, "all-gather", self.label)
         self.work = None
+        comm.handle.wait_event(comm.handle.current_stream(), self.event)
         return self.output
 
 
@@ -121,30 +154,36 @@ def issue_all_gather(
     shards: list[torch.Tensor],
     padded_numels: list[int],
     dtype: torch.dtype,
-    group: dist.ProcessGroup,
-    world_size: int,
-    rank: int,
-    device: torch.device,
-    device_handle: DeviceHandle,
+    group: ShardGroup,
+    comm: CommContext,
     label: str,
     reason: str,
-    wait_event: torch.Event | None = None,
 ) -> PendingAllGather:
-    """Copy this rank's shards into its row of a new ``[world, group_numel]`` buffer and all-gather it."""
-    total = sum(padded_numels)
-    output = torch.empty((world_size, total), dtype=dtype, device=device)
-    stream = device_handle.side_stream("all_gather")
-    with device_handle.on_stream(stream):
-        device_handle.wait_event(wait_event, stream)
-        ops.all_gather_copy_in(shards, padded_numels, output[rank])
-        record(CollectiveRecord("all_gather", label, total, dtype, reason))
-        if world_size == 1:
-            return PendingAllGather(None, output, label)
-        try:
-            work = all_gather_single(output.view(-1), output[rank], group=group, async_op=True)
-        except Exception as error:  # noqa: BLE001
-            _raise_collective_error("all-gather", label, error)
-    return PendingAllGather(work, output, label)
+    """Copy this rank's shards (cast, padded) into its row of a new ``[world, group_numel]`` buffer and all-gather it."""
+    return _issue_all_gather(
+        sum(padded_numels), dtype, lambda row: ops.all_gather_copy_in(shards, padded_numels, row), group, comm, label, reason
+    )
+
+
+def _issue_all_gather(
+    total: int, dtype: torch.dtype, copy_in: Callable[[torch.Tensor], None], group: ShardGroup, comm: CommContext, label: str, reason: str
+) -> PendingAllGather:
+    world_size, handle = group.shard_size, comm.handle
+    copy_in_stream, all_gather_stream = comm.all_gather_streams(reason)
+    with handle.on_stream(copy_in_stream, "all_gather_copy_in"):
+        output = torch.empty((world_size, total), dtype=dtype, device=comm.device)
+        copy_in(output[group.shard_rank])
+    handle.wait_stream(all_gather_stream, copy_in_stream)
+    record(CollectiveRecord("all_gather", label, total, dtype, reason))
+    work = None
+    with handle.on_stream(all_gather_stream, "all_gather"):
+        if world_size > 1:
+            try:
+                work = all_gather_single(output.view(-1), output[group.shard_rank], group=group.shard_group, async_op=True)
+            except Exception as error:  # noqa: BLE001
+                _raise_collective_error("all-gather", label, error)
+        event = handle.record_event(all_gather_stream, "all_gather")
+    return PendingAllGather(work, output, label, event, copy_in_stream is comm.all_gather_copy_in_stream)
 
 
 # Byte offsets of packed inputs are multiples of this, so every output can be viewed in its dtype.
@@ -155,34 +194,21 @@ _PACKED_ALIGNMENT = 16
 class PendingPackedAllGather:
     """A packed all-gather in flight (``issue_packed_all_gather``) and how to unpack it."""
 
-    work: dist.Work | None
-    output: torch.Tensor  # uint8 [world, total_bytes]
+    pending: PendingAllGather  # of the uint8 [world, total_bytes] buffer
     inputs: list[list[torch.Tensor]]  # per parameter, what this rank sent (shapes and dtypes)
     offsets: list[list[int]]
-    label: str
 
-    def wait_into(self, outputs: list[list[torch.Tensor]]) -> None:
+    def wait_into(self, outputs: list[list[torch.Tensor]], comm: CommContext) -> None:
         """Copy each input's gathered rows (rank-major, dim-0 concat) into ``outputs`` (same nesting)."""
-        _wait(self.work, "all-gather", self.label)
-        self.work = None
-        world = self.output.shape[0]
+        gathered = self.pending.wait(comm)
+        world = gathered.shape[0]
         for sent, starts, targets in zip(self.inputs, self.offsets, outputs):
             for tensor, start, target in zip(sent, starts, targets):
                 nbytes = tensor.numel() * tensor.element_size()
-                rows = self.output[:, start : start + nbytes].view(tensor.dtype)
-                target.view(world, -1).copy_(rows)
+                target.view(world, -1).copy_(gathered[:, start : start + nbytes].view(tensor.dtype))
 
 
-def issue_packed_all_gather(
-    inputs: list[list[torch.Tensor]],
-    group: dist.ProcessGroup,
-    world_size: int,
-    rank: int,
-    device: torch.device,
-    device_handle: DeviceHandle,
-    label: str,
-    reason: str,
-) -> PendingPackedAllGather:
+def issue_packed_all_gather(inputs: list[list[torch.Tensor]], group: ShardGroup, comm: CommContext, label: str, reason: str) -> PendingPackedAllGather:
     """One all-gather of tensors of any dtypes and shapes, sent as bytes in one buffer.
 
     For groups with an all-gather extension (see [Note: all-gather extensions] in param.py),
@@ -196,67 +222,61 @@ def issue_packed_all_gather(
             starts.append(total)
             total += -(-tensor.numel() * tensor.element_size() // _PACKED_ALIGNMENT) * _PACKED_ALIGNMENT
         offsets.append(starts)
-    output = torch.empty((world_size, total), dtype=torch.uint8, device=device)
-    stream = device_handle.side_stream("all_gather")
-    with device_handle.on_stream(stream):
-        row = output[rank]
+
+    def copy_in(row: torch.Tensor) -> None:
         for sent, starts in zip(inputs, offsets):
             for tensor, start in zip(sent, starts):
                 raw = tensor.reshape(-1).view(torch.uint8)
                 row[start : start + raw.numel()].copy_(raw)
-        record(CollectiveRecord("all_gather", label, total, torch.uint8, reason))
-        work = None
-        if world_size > 1:
-            try:
-                work = all_gather_single(output.view(-1), row, group=group, async_op=True)
-            except Exception as error:  # noqa: BLE001
-                _raise_collective_error("all-gather", label, error)
-    return PendingPackedAllGather(work, output, inputs, offsets, label)
+
+    pending = _issue_all_gather(total, torch.uint8, copy_in, group, comm, label, reason)
+    return PendingPackedAllGather(pending, inputs, offsets)
 
 
 @dataclass
 class PendingReduceScatter:
+    """A reduce-scatter in flight; see [Note: stream protocol] in comm_context.py."""
+
     work: dist.Work | None
     output: torch.Tensor  # [group_numel] this rank's reduced shard
     label: str
+    event: Any
     keep_alive: list[torch.Tensor] = field(default_factory=list)
 
-    def wait(self) -> torch.Tensor:
+    def wait(self, comm: CommContext) -> torch.Tensor:
         _wait(self.work, "reduce-scatter", self.label)
         self.work = None
+        comm.handle.wait_event(comm.handle.current_stream(), self.event)
         self.keep_alive.clear()
         return self.output
 
 
 def issue_reduce_scatter(
-    grads: list[torch.Tensor],
-    padded_numels: list[int],
-    reduce_dtype: torch.dtype,
-    group: dist.ProcessGroup,
-    world_size: int,
-    pre_divide: float,
-    device: torch.device,
-    device_handle: DeviceHandle,
-    label: str,
+    grads: list[torch.Tensor], padded_numels: list[int], spec: ReduceSpec, group: ShardGroup, comm: CommContext, label: str
 ) -> PendingReduceScatter:
-    """Lay unsharded gradients into a ``[world, group_numel]`` buffer and reduce-scatter (sum) it."""
+    """Lay unsharded gradients into a ``[world, group_numel]`` buffer (cast, pre-divided) and reduce-scatter (sum) it."""
     total = sum(padded_numels)
-    stream = device_handle.side_stream("reduce_scatter")
-    with device_handle.on_stream(stream):
-        reduce_input = torch.empty((world_size, total), dtype=reduce_dtype, device=device)
-        ops.reduce_scatter_copy_in(grads, padded_numels, reduce_input, pre_divide)
+    world_size, handle = group.shard_size, comm.handle
+    stream = comm.reduce_scatter_stream
+    gradients_ready = handle.record_event(handle.current_stream(), "gradients")
+    handle.wait_event(stream, gradients_ready)
+    with handle.on_stream(stream, "reduce_scatter_copy_in"):
+        reduce_input = torch.empty((world_size, total), dtype=spec.reduce_dtype, device=comm.device)
+        ops.reduce_scatter_copy_in(grads, padded_numels, reduce_input, spec.pre_divide)
         for grad in grads:
             # The compute stream frees these grads once we return; the copy-in may still read them.
-            device_handle.keep_alive_on(grad, stream)
-        record(CollectiveRecord("reduce_scatter", label, total * world_size, reduce_dtype, "backward"))
-        if world_size == 1:
-            return PendingReduceScatter(None, reduce_input.view(-1), label)
-        output = torch.empty((total,), dtype=reduce_dtype, device=device)
-        try:
-            work = _reduce_scatter_single(output, reduce_input.view(-1), group=group, async_op=True)
-        except Exception as error:  # noqa: BLE001
-            _raise_collective_error("reduce-scatter", label, error)
-    return PendingReduceScatter(work, output, label, keep_alive=[reduce_input])
+            handle.keep_alive(grad, stream)
+    record(CollectiveRecord("reduce_scatter", label, total * world_size, spec.reduce_dtype, "backward"))
+    with handle.on_stream(stream, "reduce_scatter"):
+        work, output = None, reduce_input.view(-1)
+        if world_size > 1:
+            output = torch.empty((total,), dtype=spec.reduce_dtype, device=comm.device)
+            try:
+                work = _reduce_scatter_single(output, reduce_input.view(-1), group=group.shard_group, async_op=True)
+            except Exception as error:  # noqa: BLE001
+                _raise_collective_error("reduce-scatter", label, error)
+        event = handle.record_event(stream, "reduce_scatter")
+    return PendingReduceScatter(work, output, label, event, keep_alive=[reduce_input])
 
 
 def all_reduce_replicas(tensor: torch.Tensor, group: dist.ProcessGroup, label: str) -> None:

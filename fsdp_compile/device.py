@@ -1,59 +1,73 @@
 """Streams and events behind one interface, so CPU+gloo and CUDA+NCCL share all runtime logic.
 
 [Note: overlap without streams]
-Collectives are always issued with ``async_op=True`` and waited on at first use. On CPU
-the gloo backend runs them on its own thread, which overlaps them with compute; there are
-no streams, so every stream operation here is a no-op. On CUDA the copy-in kernels run on
-side streams after waiting for the compute stream, and NCCL's ``work.wait()`` makes the
-compute stream (not the CPU) wait, so the CPU runs ahead and issues the next all-gather
-while the GPU computes.
+Collectives are always issued with ``async_op=True`` and waited on at first use. On CPU the gloo
+backend runs them on its own thread, which overlaps them with compute; there are no streams, so
+every stream operation here is a no-op (``None`` streams and events). On CUDA the copy-ins and
+collectives run on side streams ordered by events (see [Note: stream protocol] in
+comm_context.py), and NCCL's ``work.wait()`` makes the current stream (not the CPU) wait, so the
+CPU runs ahead and issues the next all-gather while the GPU computes.
+
+Every call names the work it orders (``phase``, ``purpose``): on CUDA the phase shows up in profiler
+traces, and a recording handle (the tests' stand-in) can check the protocol on CPU.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
-__all__ = ["DeviceHandle"]
+__all__ = ["DeviceHandle", "make_device_handle"]
 
 
 class DeviceHandle:
-    """The few device operations the runtime uses: side streams, cross-stream waits, memory."""
+    """The few stream and event operations the runtime uses; no-ops on a device without streams."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.uses_streams = device.type == "cuda"
-        self._streams: dict[str, torch.cuda.Stream] = {}
 
-    def side_stream(self, purpose: str) -> torch.cuda.Stream | None:
-        """A dedicated stream per purpose ("all_gather", "reduce_scatter"); ``None`` without streams."""
+    def new_stream(self, name: str) -> Any:
+        """A side stream for one purpose ("all_gather", "reduce_scatter", ...); ``None`` without streams."""
         if not self.uses_streams:
             return None
-        if purpose not in self._streams:
-            # Higher priority so communication copies are not starved by compute kernels.
-            self._streams[purpose] = torch.cuda.Stream(device=self.device, priority=-1)
-        return self._streams[purpose]
+        # Higher priority so communication copies are not starved by compute kernels.
+        return torch.cuda.Stream(device=self.device, priority=-1)
+
+    def current_stream(self) -> Any:
+        return torch.cuda.current_stream(self.device) if self.uses_streams else None
 
     @contextlib.contextmanager
-    def on_stream(self, stream: torch.cuda.Stream | None) -> Iterator[None]:
-        """Run the block on ``stream`` after it has waited for the current stream's work."""
+    def on_stream(self, stream: Any, phase: str) -> Iterator[None]:
+        """Run the block on ``stream`` (the current stream when ``None``), named ``phase`` in traces."""
         if stream is None:
             yield
             return
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), torch.profiler.record_function(f"fsdp::{phase}"):
             yield
 
-    def current_stream_waits_for(self, stream: torch.cuda.Stream | None) -> None:
-        if stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(stream)
+    def wait_stream(self, waiter: Any, waited: Any) -> None:
+        """``waiter`` runs nothing more until all work queued on ``waited`` so far is done."""
+        if waiter is not None and waited is not None:
+            waiter.wait_stream(waited)
 
-    def keep_alive_on(self, tensor: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
+    def record_event(self, stream: Any, purpose: str) -> Any:
+        """An event marking the work queued on ``stream`` so far (``None`` without streams)."""
+        if stream is None:
+            return None
+        return stream.record_event()
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        if stream is not None and event is not None:
+            stream.wait_event(event)
+
+    def keep_alive(self, tensor: torch.Tensor, stream: Any) -> None:
         """Tell the caching allocator ``tensor`` is used on ``stream`` (no-op without streams)."""
         if stream is not None and tensor.device.type == "cuda":
             tensor.record_stream(stream)
 
-    def wait_event(self, event: torch.Event | None, stream: torch.cuda.Stream | None) -> None:
-        if event is not None and stream is not None:
-            stream.wait_event(event)
+
+def make_device_handle(device: torch.device) -> DeviceHandle:
+    """The handle a new communication context uses; tests swap in a recording stand-in here."""
+    return DeviceHandle(device)

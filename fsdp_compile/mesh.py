@@ -2,13 +2,22 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
-__all__ = ["MeshInfo", "PostForwardMeshInfo", "default_mesh", "mesh_info_for", "post_forward_mesh_info_for", "mesh_device"]
+__all__ = ["ShardGroup", "MeshInfo", "PostForwardMeshInfo", "default_mesh", "mesh_info_for", "post_forward_mesh_info_for", "mesh_device"]
+
+
+class ShardGroup(Protocol):
+    """The ranks one all-gather / reduce-scatter runs over (a ``MeshInfo`` or ``PostForwardMeshInfo``)."""
+
+    shard_group: dist.ProcessGroup
+    shard_size: int
+    shard_rank: int
 
 
 @dataclass(frozen=True)

@@ -115,7 +115,6 @@ class FSDPModule:
                 if not reshard_after_forward:
                     state.group.post_forward_mesh_info = None
                 state.auto_reshard_after_forward = False
-                state.refresh_trace_info()
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """``False`` keeps parameters unsharded after backward (e.g. between accumulation microbatches)."""
@@ -142,16 +141,15 @@ class FSDPModule:
             state.backward_prefetch_mode = mode
 
     def set_post_optim_event(self, event: torch.Event) -> None:
-        """The next all-gathers wait for ``event`` (recorded after ``optimizer.step()``) instead of the whole stream."""
-        for group in self._groups(recurse=True):
-            group.post_optim_event = event
+        """The next step's all-gathers wait for ``event`` (recorded after ``optimizer.step()``) instead of
+        for everything queued on the compute stream (see [Note: stream protocol] in comm_context.py)."""
+        self._fsdp_state().comm.post_optim_event = event
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide summed gradients by ``factor`` instead of the data-parallel world size."""
         for state in self._fsdp_state().states_under(recurse=True):
             if state.group is not None:
                 state.group.gradient_divide_factor = factor
-                state.refresh_trace_info()
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # module.to(...) / to_empty(...) replace the local shards; parameters must be sharded for that.
@@ -162,8 +160,6 @@ class FSDPModule:
         for group in groups:
             for fsdp_param in group.fsdp_params:
                 fsdp_param.reset_after_module_apply()
-        for state in self._fsdp_state().states_under(recurse=True):
-            state.refresh_trace_info()  # dtypes may have changed
         return result
 
 
@@ -278,13 +274,11 @@ def fully_shard(
     register_state_dict_hooks(state)
     for fsdp_param in fsdp_params:
         for ref in fsdp_param.refs:
-            install_traced_param_access(ref.module, ref.name, fsdp_param)
+            install_traced_param_access(ref.module, ref.name, fsdp_param, state)
     states = all_states_under(modules)
     for inner in states:
         inner.has_parent = inner is not state
     _label_groups(modules)
-    for inner in states:
-        inner.refresh_trace_info()
     for m in modules:
         cls = type(m)
         if cls not in _fsdp_classes:

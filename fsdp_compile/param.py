@@ -13,7 +13,6 @@ from torch.distributed.tensor import DTensor
 from fsdp_compile.api import MixedPrecisionPolicy
 from fsdp_compile.layout import ShardLayout
 from fsdp_compile.mesh import MeshInfo, PostForwardMeshInfo
-from fsdp_compile.traceable import TraceInfo
 
 __all__ = ["ShardedState", "ParamRef", "FSDPParam"]
 
@@ -100,8 +99,6 @@ class FSDPParam:
         # Gradient kept unsharded across no-sync steps (set_requires_gradient_sync(False)).
         self.unsharded_accumulated_grad: torch.Tensor | None = None
         self.sharded_state = ShardedState.SHARDED
-        # What a read of this parameter traces to under torch.compile (set by its group).
-        self.trace_info: TraceInfo | None = None
         for ref in refs:
             _set_on_module(ref, self.sharded_param)
 

@@ -9,19 +9,20 @@ import torch
 import torch.nn as nn
 
 from fsdp_compile import collectives
-from fsdp_compile.collectives import PendingAllGather, PendingPackedAllGather, PendingReduceScatter
-from fsdp_compile.device import DeviceHandle
+from fsdp_compile.collectives import PendingAllGather, PendingPackedAllGather, PendingReduceScatter, ReduceSpec
+from fsdp_compile.comm_context import CommContext
 from fsdp_compile.kernels import ops
 from fsdp_compile.mesh import MeshInfo, PostForwardMeshInfo
 from fsdp_compile.param import FSDPParam, ShardedState
-from fsdp_compile.traceable import TraceInfo
 
 __all__ = ["TrainingState", "FSDPParamGroup"]
 
 
-def _outside_functorch(method: Callable[..., Any]) -> Callable[..., Any]:
-    """Run ``method`` with functorch transforms (``torch.func.jvp``/``vmap``) off: the unsharded
-    parameters are real tensors whose storage we resize, never a transform's wrapper of one."""
+def _eager_only(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Run ``method`` as plain eager code: never traced by Dynamo (a backward hook can fire inside a
+    compiled frame that called ``loss.backward()``), and with functorch transforms
+    (``torch.func.jvp``/``vmap``) off, since the unsharded parameters are real tensors whose storage
+    we resize, never a transform's wrapper of one."""
 
     @functools.wraps(method)
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -30,7 +31,7 @@ def _outside_functorch(method: Callable[..., Any]) -> Callable[..., Any]:
                 return method(*args, **kwargs)
         return method(*args, **kwargs)
 
-    return run
+    return torch._dynamo.disable(run, recursive=True)
 
 
 class TrainingState(Enum):
@@ -40,18 +41,6 @@ class TrainingState(Enum):
     FORWARD = auto()
     PRE_BACKWARD = auto()
     POST_BACKWARD = auto()
-
-
-class _PendingReduction:
-    """A reduce-scatter in flight and where its result goes once it lands."""
-
-    def __init__(self, group: "FSDPParamGroup", pending: PendingReduceScatter, params: list[FSDPParam]) -> None:
-        self.group = group
-        self.pending = pending
-        self.params = params
-
-    def finish(self) -> None:
-        self.group._finish_reduction(self.pending, self.params)
 
 
 class FSDPParamGroup:
@@ -73,44 +62,28 @@ class FSDPParamGroup:
         self.mesh_info = mesh_info
         self.post_forward_mesh_info = post_forward_mesh_info
         self.device = device
-        self.device_handle = DeviceHandle(device)
+        # Its own until the root's lazy init shares the root's (see [Note: stream protocol]).
+        self.comm = CommContext(device)
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
         self.requires_all_reduce = True
         self.gradient_divide_factor: float | None = None
-        self.post_optim_event: torch.Event | None = None
         self.training_state = TrainingState.IDLE
         self.sharded_state = ShardedState.SHARDED
         self._pending_all_gather: PendingAllGather | PendingPackedAllGather | None = None
         # HSDP with set_requires_all_reduce(False): reduce-scattered, not yet all-reduced sums.
         self._partial_reduce_output: torch.Tensor | None = None
-        # Set by the root state: where in-flight reductions are queued (shared by all groups).
-        self.pending_reductions: list[_PendingReduction] = []
+        self._reduction_in_flight: tuple[PendingReduceScatter, list[FSDPParam]] | None = None
+        # Marks the post-forward shards' copy (int reshard_after_forward): the next copy-in reads them.
+        self._post_forward_shard_event: object = None
         self.ran_post_backward = False
 
-    def refresh_trace_info(self, reshard_after_forward: bool) -> None:
-        """Recompute what each parameter read traces to; Dynamo guards on it, so changes recompile."""
-        info = self.mesh_info
-        pre_divide, post_divide = collectives.gradient_divide_factors(info.data_parallel_size, self.gradient_divide_factor)
-        for fsdp_param in self.fsdp_params:
-            fsdp_param.trace_info = TraceInfo(
-                fqn=fsdp_param.fqn,
-                group=self.label,
-                shard_dim=fsdp_param.layout.dim,
-                dim_size=fsdp_param.layout.size,
-                chunk=fsdp_param.layout.chunk,
-                world_size=info.shard_size,
-                group_name=info.shard_group.group_name,
-                param_dtype=fsdp_param.param_dtype,
-                reduce_dtype=fsdp_param.reduce_dtype,
-                orig_dtype=fsdp_param.orig_dtype,
-                pre_divide=pre_divide,
-                post_divide=post_divide,
-                replicate_size=info.replicate_size,
-                replicate_group_name=None if info.replicate_group is None else info.replicate_group.group_name,
-                reshard_after_forward=reshard_after_forward,
-            )
+    @property
+    def reduce_spec(self) -> ReduceSpec:
+        """How this group's gradients are reduced now (its settings change it)."""
+        first = self.fsdp_params[0]
+        return ReduceSpec.for_group(self.mesh_info, first.reduce_dtype, first.orig_dtype, self.gradient_divide_factor)
 
     # --- dtypes -----------------------------------------------------------------------------
     @property
@@ -130,7 +103,7 @@ class FSDPParamGroup:
     def has_unshard_in_flight(self) -> bool:
         return self._pending_all_gather is not None
 
-    @_outside_functorch
+    @_eager_only
     def unshard(self, reason: str = "explicit") -> None:
         """Issue the all-gather (no wait); a no-op when unsharded or already in flight."""
         if self.is_unsharded or self._pending_all_gather is not None:
@@ -139,19 +112,17 @@ class FSDPParamGroup:
             self._unshard_packed(reason)
             return
         if self.sharded_state == ShardedState.SHARDED_POST_FORWARD:
-            info = self.post_forward_mesh_info
-            assert info is not None
-            group, world, rank = info.shard_group, info.shard_size, info.shard_rank
+            group = self.post_forward_mesh_info
+            assert group is not None
             padded = [p.padded_post_forward_numel for p in self.fsdp_params]
+            self.comm.all_gather_streams_wait(self._post_forward_shard_event)
+            self._post_forward_shard_event = None
         else:
-            info = self.mesh_info
-            group, world, rank = info.shard_group, info.shard_size, info.shard_rank
+            group = self.mesh_info
             padded = [p.padded_shard_numel for p in self.fsdp_params]
         self._pending_all_gather = collectives.issue_all_gather(
-            [p.all_gather_input() for p in self.fsdp_params], padded, self.param_dtype, group, world, rank,
-            self.device, self.device_handle, self.label, reason, wait_event=self.post_optim_event,
+            [p.all_gather_input() for p in self.fsdp_params], padded, self.param_dtype, group, self.comm, self.label, reason
         )
-        self.post_optim_event = None
 
     def _unshard_packed(self, reason: str) -> None:
         """The all-gather of a group with an all-gather extension; see [Note: all-gather extensions]."""
@@ -160,14 +131,11 @@ class FSDPParamGroup:
                 f"fsdp_compile: group '{self.label}' has a parameter with an all-gather extension, which an int "
                 "reshard_after_forward cannot re-gather from its post-forward shard; use True or False."
             )
-        info = self.mesh_info
         self._pending_all_gather = collectives.issue_packed_all_gather(
-            [p.all_gather_inputs() for p in self.fsdp_params], info.shard_group, info.shard_size, info.shard_rank,
-            self.device, self.device_handle, self.label, reason,
+            [p.all_gather_inputs() for p in self.fsdp_params], self.mesh_info, self.comm, self.label, reason
         )
-        self.post_optim_event = None
 
-    @_outside_functorch
+    @_eager_only
     def wait_for_unshard(self) -> None:
         """Finish the in-flight all-gather and expose the unsharded parameters on the modules."""
         if self.is_unsharded:
@@ -177,15 +145,18 @@ class FSDPParamGroup:
         pending = self._pending_all_gather
         assert pending is not None
         self._pending_all_gather = None
-        if isinstance(pending, collectives.PendingPackedAllGather):
+        in_forward = self.training_state == TrainingState.FORWARD
+        self.comm.before_copy_out(in_forward)
+        if isinstance(pending, PendingPackedAllGather):
             with torch.no_grad():
                 outputs = [p.all_gather_output_buffers(sent) for p, sent in zip(self.fsdp_params, pending.inputs)]
-                pending.wait_into(outputs)
+                pending.wait_into(outputs, self.comm)
                 for fsdp_param, gathered_outputs in zip(self.fsdp_params, outputs):
                     fsdp_param.finish_unshard_from_outputs(gathered_outputs)
+            self.comm.after_copy_out(pending.pending, in_forward)
             self._expose_unsharded()
             return
-        gathered = pending.wait()
+        gathered = pending.wait(self.comm)
         padded = [
             p.padded_post_forward_numel if p.sharded_state == ShardedState.SHARDED_POST_FORWARD else p.padded_shard_numel
             for p in self.fsdp_params
@@ -195,6 +166,7 @@ class FSDPParamGroup:
             ops.all_gather_copy_out(gathered, padded, outs)
             for fsdp_param, out in zip(self.fsdp_params, outs):
                 fsdp_param.finish_copy_out(out)
+        self.comm.after_copy_out(pending, in_forward)
         self._expose_unsharded()
 
     def _expose_unsharded(self) -> None:
@@ -202,7 +174,7 @@ class FSDPParamGroup:
             fsdp_param.to_unsharded()
         self.sharded_state = ShardedState.UNSHARDED
 
-    @_outside_functorch
+    @_eager_only
     def reshard(self) -> None:
         """Back to the sharded parameters; a prefetched all-gather still in flight is finished first."""
         if self._pending_all_gather is not None:
@@ -219,6 +191,8 @@ class FSDPParamGroup:
             for fsdp_param in self.fsdp_params:
                 fsdp_param.to_sharded_post_forward()
             self.sharded_state = ShardedState.SHARDED_POST_FORWARD
+            handle = self.comm.handle
+            self._post_forward_shard_event = handle.record_event(handle.current_stream(), "post_forward_shard")
         else:
             self.reshard()
 
@@ -232,10 +206,12 @@ class FSDPParamGroup:
             self.reshard_post_forward()
         self.training_state = TrainingState.IDLE
 
+    @_eager_only
     def pre_backward(self) -> None:
         self.training_state = TrainingState.PRE_BACKWARD
         self.unshard("backward")
 
+    @_eager_only
     def post_backward(self) -> None:
         """Reduce this step's gradients (or keep them unsharded when not syncing), then reshard."""
         self.training_state = TrainingState.POST_BACKWARD
@@ -260,22 +236,20 @@ class FSDPParamGroup:
         if not params:
             return
         # Older reductions finish now: one in flight at a time bounds the reduce buffers' memory.
-        self.finish_pending_reductions()
-        pre_divide, _ = collectives.gradient_divide_factors(self.mesh_info.data_parallel_size, self.gradient_divide_factor)
+        self.comm.finish_reductions()
         pending = collectives.issue_reduce_scatter(
-            grads, [p.padded_shard_numel for p in params], self.reduce_dtype, self.mesh_info.shard_group,
-            self.mesh_info.shard_size, pre_divide, self.device, self.device_handle, self.label,
+            grads, [p.padded_shard_numel for p in params], self.reduce_spec, self.mesh_info, self.comm, self.label
         )
-        self.pending_reductions.append(_PendingReduction(self, pending, params))
+        self._reduction_in_flight = (pending, params)
+        self.comm.reducing_groups.append(self)
 
-    def finish_pending_reductions(self) -> None:
-        while self.pending_reductions:
-            self.pending_reductions.pop(0).finish()
-
-    def _finish_reduction(self, pending: PendingReduceScatter, params: list[FSDPParam]) -> None:
-        reduced = pending.wait()
-        stream = self.device_handle.side_stream("reduce_scatter")
-        self.device_handle.current_stream_waits_for(stream)
+    def finish_reduction(self) -> None:
+        """Wait for this group's reduce-scatter (and HSDP all-reduce) and write the sharded gradients."""
+        assert self._reduction_in_flight is not None, f"group '{self.label}' has no reduction in flight"
+        pending, params = self._reduction_in_flight
+        self._reduction_in_flight = None
+        reduced = pending.wait(self.comm)
+        spec = self.reduce_spec
         padded = [p.padded_shard_numel for p in params]
         if self.mesh_info.replicate_group is not None:
             if self._partial_reduce_output is not None:
@@ -285,7 +259,6 @@ class FSDPParamGroup:
                 self._partial_reduce_output = reduced
                 return
             collectives.all_reduce_replicas(reduced, self.mesh_info.replicate_group, self.label)
-        _, post_divide = collectives.gradient_divide_factors(self.mesh_info.data_parallel_size, self.gradient_divide_factor)
         outs, had_grad = zip(*(p.sharded_grad_out() for p in params))
         accumulate = any(had_grad)
         if accumulate and not all(had_grad):
@@ -301,7 +274,7 @@ class FSDPParamGroup:
         with torch.no_grad():
             # Identity, not ``==``: a tuple compare would fall back to elementwise tensor equality.
             all_direct = all(target is out for target, out in zip(targets, outs))
-            ops.reduce_scatter_copy_out(reduced, padded, targets, post_divide, accumulate and all_direct)
+            ops.reduce_scatter_copy_out(reduced, padded, targets, spec.post_divide, accumulate and all_direct)
             for fsdp_param, out, target in zip(params, outs, targets):
                 if target is not out:
                     value = fsdp_param.layout.from_dim0(target).to(out.device)
@@ -310,6 +283,7 @@ class FSDPParamGroup:
         for fsdp_param in params:
             fsdp_param.run_post_accumulate_grad_hooks()
 
+    @_eager_only
     def finalize_backward(self) -> None:
         """End of backward (root callback): reduce what post-backward missed, wait, reset."""
         if self._pending_all_gather is not None:

@@ -12,7 +12,7 @@ post-backward missed (modules whose inputs need no grad), waits and resets the s
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
@@ -20,8 +20,13 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from fsdp_compile import config
 from fsdp_compile.api import BackwardPrefetch, MixedPrecisionPolicy
+from fsdp_compile.comm_context import CommContext
 from fsdp_compile.param_group import FSDPParamGroup, TrainingState
 from fsdp_compile.structures import map_tensors, tensors_in
+from fsdp_compile.traceable import trace_annotation, unshard_for_trace
+
+if TYPE_CHECKING:
+    from fsdp_compile.param import FSDPParam
 
 __all__ = ["FSDPState", "state_of", "all_states_under", "live_states"]
 
@@ -55,7 +60,7 @@ class _RootContext:
     def __init__(self, root: "FSDPState", states: list["FSDPState"]) -> None:
         self.root = root
         self.states = states
-        self.pending_reductions: list = []
+        self.comm = root.comm
         self.previous_forward_order: list[FSDPParamGroup] = []
         self.forward_order: list[FSDPParamGroup] = []
         self.post_forward_order: list[FSDPParamGroup] = []
@@ -105,6 +110,8 @@ class FSDPState:
         self.mp_policy = mp_policy
         self.device = device
         self.auto_reshard_after_forward = auto_reshard_after_forward
+        # Its own until the root's lazy init shares the root's; see [Note: stream protocol].
+        self.comm = group.comm if group is not None else CommContext(device)
         self.is_root: bool | None = None  # decided at lazy init
         # Another fully_shard call was applied to an ancestor: not the root. Known without running
         # forward, which the compiled path needs (it never runs the eager lazy init).
@@ -130,13 +137,20 @@ class FSDPState:
             module.register_forward_hook(self._post_forward_hook, prepend=False)
         _live_states.add(self)
 
-    def refresh_trace_info(self) -> None:
-        if self.group is None:
-            return
-        reshard = self.group.reshard_after_forward
+    @property
+    def reshards_after_forward(self) -> bool:
+        """Whether the group frees its parameters after forward; the compiled path reads it at trace
+        time (it never runs the eager lazy init, which settles the default for the root)."""
         if self.auto_reshard_after_forward:
-            reshard = self.has_parent  # the root keeps its parameters, as in eager
-        self.group.refresh_trace_info(reshard)
+            return self.has_parent  # the root keeps its parameters, as in eager
+        return self.group is not None and self.group.reshard_after_forward
+
+    def traced_unshard(self, fsdp_param: "FSDPParam") -> torch.Tensor:
+        """What a read of ``fsdp_param`` traces to under torch.compile; see traceable.py."""
+        group = self.group
+        assert group is not None
+        annotation = trace_annotation(group.label, fsdp_param.fqn, self.reshards_after_forward)
+        return unshard_for_trace(fsdp_param.sharded_param, fsdp_param.layout, fsdp_param.param_dtype, group.reduce_spec, annotation)
 
     @property
     def label(self) -> str:
@@ -163,9 +177,10 @@ class FSDPState:
         for state in states:
             state.is_root = state is self
             state.root_ctx = ctx
+            state.comm = ctx.comm  # one context per root: see [Note: stream protocol]
             if state.group is None:
                 continue
-            state.group.pending_reductions = ctx.pending_reductions
+            state.group.comm = ctx.comm
             if state.auto_reshard_after_forward:
                 # The root's parameters are needed first in backward: keep them (FSDP2's default).
                 state.group.reshard_after_forward = not state.is_root
@@ -235,13 +250,11 @@ class FSDPState:
         ctx = self.root_ctx
         assert ctx is not None
         # A previous step that skipped waiting (set_is_last_backward(False)) lands now.
-        for state in ctx.states:
-            if state.group is not None:
-                state.group.finish_pending_reductions()
-                break
+        ctx.comm.finish_reductions()
         for state in ctx.states:
             state._unfired_post_backward_triggers = 0  # forward passes that never ran backward
         ctx.begin_step()
+        ctx.comm.begin_step()
 
     def _prefetch_forward(self, ctx: _RootContext) -> None:
         assert self.group is not None
@@ -287,6 +300,7 @@ class FSDPState:
         return output
 
     def _root_post_forward(self, ctx: _RootContext) -> None:
+        ctx.comm.release()
         # Forward prefetches of modules that did not run this step would pin memory until backward.
         for state in ctx.states:
             if state.group is not None and state.group.has_unshard_in_flight and state.group not in ctx.forward_order:
@@ -365,10 +379,8 @@ class FSDPState:
             state._modules_to_run_forward.clear()
             state._unfired_post_backward_triggers = 0
         if self.is_last_backward:
-            for state in ctx.states:
-                if state.group is not None:
-                    state.group.finish_pending_reductions()
-                    break
+            ctx.comm.finish_reductions()
+        ctx.comm.release()
         ctx.post_forward_order = []
         ctx.final_callback_queued = False
 

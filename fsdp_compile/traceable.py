@@ -17,66 +17,48 @@ reproduces its numerics.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 import torch.fx.traceback as fx_traceback
 
 from fsdp_compile import config
+from fsdp_compile.collectives import ReduceSpec
+from fsdp_compile.layout import ShardLayout
 
-__all__ = ["TraceInfo", "unshard_for_trace", "install_traced_param_access", "FSDP_ANNOTATION_KEY"]
+__all__ = ["trace_annotation", "unshard_for_trace", "install_traced_param_access", "FSDP_ANNOTATION_KEY"]
 
 FSDP_ANNOTATION_KEY = "fsdp"
 
 _functional = torch.ops._c10d_functional
 
 
-@dataclass(frozen=True)
-class TraceInfo:
-    """Everything the traced unshard of one parameter needs; constants to Dynamo."""
-
-    fqn: str
-    group: str
-    # The parameter's split; see [Note: shard layout] in layout.py.
-    shard_dim: int
-    dim_size: int
-    chunk: int
-    world_size: int
-    group_name: str
-    param_dtype: torch.dtype
-    reduce_dtype: torch.dtype
-    orig_dtype: torch.dtype
-    pre_divide: float
-    post_divide: float
-    replicate_size: int
-    replicate_group_name: str | None
-    reshard_after_forward: bool
-
-    def annotation(self) -> dict[str, object]:
-        return {
-            FSDP_ANNOTATION_KEY: True,
-            "fsdp_group": self.group,
-            "fsdp_param": self.fqn,
-            "fsdp_reshard_after_forward": self.reshard_after_forward,
-        }
+def trace_annotation(group: str, fqn: str, reshard_after_forward: bool) -> dict[str, object]:
+    """What each node of one parameter's traced unshard carries in ``node.meta["custom"]``."""
+    return {
+        FSDP_ANNOTATION_KEY: True,
+        "fsdp_group": group,
+        "fsdp_param": fqn,
+        "fsdp_reshard_after_forward": reshard_after_forward,
+    }
 
 
 class _AllGatherShard(torch.autograd.Function):
-    """Padded local shard (orig dtype, dim-0 view) -> gathered [world * chunk, ...] in param_dtype."""
+    """Padded local shard (orig dtype, dim-0 view) -> gathered [world * chunk, ...] in param_dtype.
+
+    The backward is the eager reduction of ``ReduceSpec``, field by field (plain values, so Dynamo
+    treats them as constants).
+    """
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx, padded_shard: torch.Tensor, world_size: int, group_name: str, param_dtype: torch.dtype,
-        reduce_dtype: torch.dtype, orig_dtype: torch.dtype, pre_divide: float, post_divide: float,
-        replicate_size: int, replicate_group_name: str | None,
+        ctx, padded_shard: torch.Tensor, param_dtype: torch.dtype, reduce_dtype: torch.dtype, grad_dtype: torch.dtype,
+        pre_divide: float, post_divide: float, shard_size: int, shard_group_name: str, replicate_group_name: str | None,
     ) -> torch.Tensor:
-        ctx.world_size, ctx.group_name = world_size, group_name
-        ctx.reduce_dtype, ctx.orig_dtype = reduce_dtype, orig_dtype
+        ctx.reduce_dtype, ctx.grad_dtype = reduce_dtype, grad_dtype
         ctx.pre_divide, ctx.post_divide = pre_divide, post_divide
-        ctx.replicate_size, ctx.replicate_group_name = replicate_size, replicate_group_name
+        ctx.shard_size, ctx.shard_group_name, ctx.replicate_group_name = shard_size, shard_group_name, replicate_group_name
         cast = padded_shard.to(param_dtype)
-        gathered = _functional.all_gather_into_tensor(cast, world_size, group_name)
+        gathered = _functional.all_gather_into_tensor(cast, shard_size, shard_group_name)
         return _functional.wait_tensor(gathered)
 
     @staticmethod
@@ -85,30 +67,29 @@ class _AllGatherShard(torch.autograd.Function):
         if ctx.pre_divide != 1.0:
             grad = grad / ctx.pre_divide
         reduced = _functional.wait_tensor(
-            _functional.reduce_scatter_tensor(grad.contiguous(), "sum", ctx.world_size, ctx.group_name)
+            _functional.reduce_scatter_tensor(grad.contiguous(), "sum", ctx.shard_size, ctx.shard_group_name)
         )
         if ctx.replicate_group_name is not None:
             reduced = _functional.wait_tensor(_functional.all_reduce(reduced, "sum", ctx.replicate_group_name))
         if ctx.post_divide != 1.0:
             reduced = reduced / ctx.post_divide
-        return reduced.to(ctx.orig_dtype), None, None, None, None, None, None, None, None, None
+        return reduced.to(ctx.grad_dtype), None, None, None, None, None, None, None, None
 
 
-def unshard_for_trace(sharded: torch.Tensor, info: TraceInfo) -> torch.Tensor:
+def unshard_for_trace(
+    sharded: torch.Tensor, layout: ShardLayout, param_dtype: torch.dtype, spec: ReduceSpec, annotation: dict[str, object]
+) -> torch.Tensor:
     """The full parameter from its sharded DTensor, as traceable functional collectives."""
-    with fx_traceback.annotate(info.annotation()):
-        local = sharded.to_local()
-        if info.shard_dim:
-            local = local.movedim(info.shard_dim, 0)
+    with fx_traceback.annotate(annotation):
+        local = layout.to_dim0(sharded.to_local())
         # Always pad (possibly by 0 rows): every rank must trace the same ops (fingerprint check).
-        padding = [0, 0] * (local.dim() - 1) + [0, info.chunk - local.shape[0]]
+        padding = [0, 0] * (local.dim() - 1) + [0, layout.chunk - local.shape[0]]
         padded = F.pad(local, padding)
         gathered = _AllGatherShard.apply(
-            padded, info.world_size, info.group_name, info.param_dtype, info.reduce_dtype, info.orig_dtype,
-            info.pre_divide, info.post_divide, info.replicate_size, info.replicate_group_name,
+            padded, param_dtype, spec.reduce_dtype, spec.grad_dtype, spec.pre_divide, spec.post_divide,
+            spec.shard_size, spec.shard_group_name, spec.replicate_group_name,
         )
-        full = gathered.narrow(0, 0, info.dim_size)
-        return full.movedim(0, info.shard_dim) if info.shard_dim else full
+        return layout.full_from_gathered(gathered)
 
 
 _TRACED_PARAMS_ATTR = "_fsdp_compile_traced_params"
@@ -118,8 +99,8 @@ _property_classes: dict[tuple[type, frozenset[str]], type] = {}
 def _param_property(name: str) -> property:
     def read(module: torch.nn.Module) -> torch.Tensor:
         if torch.compiler.is_compiling() and not config.skip_fsdp_hooks:
-            fsdp_param = module.__dict__[_TRACED_PARAMS_ATTR][name]
-            return unshard_for_trace(fsdp_param.sharded_param, fsdp_param.trace_info)
+            fsdp_param, state = module.__dict__[_TRACED_PARAMS_ATTR][name]
+            return state.traced_unshard(fsdp_param)
         return module._parameters[name]
 
     return property(read, doc=f"FSDP-managed parameter '{name}' (see [Note: parameter reads under torch.compile])")
@@ -130,15 +111,20 @@ def _assign_managed(module: torch.nn.Module, name: str, value: object) -> None:
     (``FSDPParam.replace_sharded_param``), so eager and compiled runs both see it."""
     managed = module.__dict__.get(_TRACED_PARAMS_ATTR, {})
     if name in managed and isinstance(value, torch.Tensor):
-        managed[name].replace_sharded_param(value)
+        fsdp_param, _ = managed[name]
+        fsdp_param.replace_sharded_param(value)
         return
     type(module)._fsdp_compile_property_base.__setattr__(module, name, value)
 
 
-def install_traced_param_access(module: torch.nn.Module, name: str, fsdp_param: object) -> None:
-    """Route ``module.<name>`` through the property above; see [Note: parameter reads under torch.compile]."""
+def install_traced_param_access(module: torch.nn.Module, name: str, fsdp_param: object, state: object) -> None:
+    """Route ``module.<name>`` through the property above; see [Note: parameter reads under torch.compile].
+
+    ``state`` (the parameter's ``FSDPState``) builds the traced unshard from the group's settings at
+    trace time, so Dynamo guards on them: a changed setting recompiles.
+    """
     managed = module.__dict__.setdefault(_TRACED_PARAMS_ATTR, {})
-    managed[name] = fsdp_param
+    managed[name] = (fsdp_param, state)
     base = type(module)
     if getattr(base, "_fsdp_compile_property_base", None) is not None:
         base = base._fsdp_compile_property_base

@@ -168,10 +168,10 @@ def _last_backward_and_reshard_after_backward():
     model.zero_grad()
     model.set_is_last_backward(False)
     next_token_loss(model(tokens), tokens).backward()
-    pending_after_backward = len(_groups(model)[0].pending_reductions)
+    pending_after_backward = len(model._fsdp_state().comm.reducing_groups)
     model.set_is_last_backward(True)
     model(tokens)  # the next forward lands the deferred reduction
-    pending_after_forward = len(_groups(model)[0].pending_reductions)
+    pending_after_forward = len(model._fsdp_state().comm.reducing_groups)
     model.reshard()  # the root keeps unsharded parameters registered after forward
     grads_present = all(p.grad is not None for p in model.parameters())
     return kept, forward_gathers, pending_after_backward, pending_after_forward, grads_present
