@@ -240,8 +240,10 @@ class FSDPState:
             group.pre_forward()
             if group not in ctx.forward_order:
                 ctx.forward_order.append(group)
-            self._prefetch_forward(ctx)
+            # Own copy-out first, then the next all-gather: the copy-out releases the previous
+            # group's all-gather output, so at most two are alive ([Note: stream protocol]).
             group.wait_for_unshard()
+            self._prefetch_forward(ctx)
         if torch.is_grad_enabled() and entering_group:
             args, kwargs = self._hook_post_backward_to_inputs(args, kwargs)
         return args, kwargs
