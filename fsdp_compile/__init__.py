@@ -28,7 +28,8 @@ from fsdp_compile.collectives import CollectiveRecord, record_collectives
 from fsdp_compile.module import FSDPModule, UnshardHandle, fully_shard
 from fsdp_compile.param_group import TrainingState
 from fsdp_compile.param import ShardedState
-from fsdp_compile.state_dict import get_state_dict_type, state_dict_type, unshard_params
+from fsdp_compile.state_dict import get_state_dict_type, state_dict_type
+from fsdp_compile.unshard_params import unshard_params
 
 __all__ = [
     "fully_shard",

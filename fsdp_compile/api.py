@@ -178,14 +178,14 @@ def fsdp1_kwargs(
         fully_shard(model, **kwargs)
         model.set_backward_prefetch(BackwardPrefetch.BACKWARD_POST)
     """
-    from fsdp_compile.mesh import default_mesh
+    from fsdp_compile.mesh import default_mesh, hybrid_mesh, replicate_mesh
 
     kwargs: dict[str, Any] = {}
     if sharding_strategy == ShardingStrategy.NO_SHARD:
-        kwargs["mesh"] = device_mesh if device_mesh is not None else _replicate_mesh()
+        kwargs["mesh"] = device_mesh if device_mesh is not None else replicate_mesh()
         kwargs["reshard_after_forward"] = False  # one-rank shards: re-gathering would only copy
     elif sharding_strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
-        kwargs["mesh"] = device_mesh if device_mesh is not None else _hybrid_mesh()
+        kwargs["mesh"] = device_mesh if device_mesh is not None else hybrid_mesh()
         if kwargs["mesh"].ndim != 2:
             raise ValueError(f"{sharding_strategy.name} needs a 2-D (replicate, shard) device_mesh, got {kwargs['mesh'].ndim}-D")
         kwargs["reshard_after_forward"] = sharding_strategy == ShardingStrategy.HYBRID_SHARD
@@ -199,42 +199,6 @@ def fsdp1_kwargs(
     if cpu_offload is not None:
         kwargs["offload_policy"] = cpu_offload.to_policy()
     return kwargs
-
-
-_fsdp1_meshes: dict[tuple[str, int, int], Any] = {}
-
-
-def _fsdp1_mesh_of_shape(replicate: int, shard: int) -> Any:
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    device_type = "cuda" if "nccl" in str(dist.get_backend()) and torch.cuda.is_available() else "cpu"
-    key = (device_type, replicate, shard)
-    if key not in _fsdp1_meshes:  # creating a mesh is collective: once per shape, on every rank
-        _fsdp1_meshes[key] = init_device_mesh(device_type, (replicate, shard), mesh_dim_names=("replicate", "shard"))
-    return _fsdp1_meshes[key]
-
-
-def _replicate_mesh() -> Any:
-    import torch.distributed as dist
-
-    return _fsdp1_mesh_of_shape(dist.get_world_size(), 1)
-
-
-def _hybrid_mesh() -> Any:
-    import os
-
-    import torch.distributed as dist
-
-    world = dist.get_world_size()
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or (torch.cuda.device_count() if torch.cuda.is_available() else 0)
-    if per_node < 1 or world % per_node != 0:
-        raise ValueError(
-            "HYBRID_SHARD shards within a node and replicates across nodes, but the ranks per node are unknown "
-            f"(LOCAL_WORLD_SIZE={os.environ.get('LOCAL_WORLD_SIZE')!r}, world size {world}). Pass "
-            "device_mesh=init_device_mesh(device, (num_nodes, ranks_per_node), mesh_dim_names=('replicate', 'shard')) to fsdp1_kwargs."
-        )
-    return _fsdp1_mesh_of_shape(world // per_node, per_node)
 
 
 class StateDictType(Enum):

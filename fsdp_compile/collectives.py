@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from fsdp_compile.comm_context import CommContext
 from fsdp_compile.kernels import ops
+from fsdp_compile.layout import ShardLayout
 from fsdp_compile.mesh import MeshInfo, ShardGroup
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "issue_reduce_scatter",
     "gradient_divide_factors",
     "ReduceSpec",
+    "gather_full",
 ]
 
 # torch 2.13 renamed the tensor collectives; 2.11 has only the old names.
@@ -277,6 +279,22 @@ def issue_reduce_scatter(
                 _raise_collective_error("reduce-scatter", label, error)
         event = handle.record_event(stream, "reduce_scatter")
     return PendingReduceScatter(work, output, label, event, keep_alive=[reduce_input])
+
+
+def gather_full(local: torch.Tensor, layout: ShardLayout, group: ShardGroup, device: torch.device, label: str, reason: str) -> torch.Tensor:
+    """The full tensor from every rank's shard of it (``local``, laid out by ``layout``), in
+    ``local``'s dtype: a plain blocking all-gather over the shard group for state dicts and
+    ``unshard_params``, outside the runtime's all-gather (so full precision, not ``param_dtype``)."""
+    local = local.detach().to(device)  # CPU-offloaded shards travel over the device's backend
+    if group.shard_size == 1:
+        return local.clone()
+    send = layout.padded_dim0_shard(local)
+    gathered = torch.empty((layout.chunk * group.shard_size, *send.shape[1:]), dtype=local.dtype, device=local.device)
+    record(CollectiveRecord("all_gather", label, send.numel(), send.dtype, reason))
+    all_gather_single(gathered, send, group=group.shard_group)
+    full = layout.full_from_gathered(gathered)
+    # A copy when the result is a view of padding or of the dim-0 layout: it outlives the buffer.
+    return full if full.is_contiguous() and full.numel() == gathered.numel() else full.clone(memory_format=torch.contiguous_format)
 
 
 def all_reduce_replicas(tensor: torch.Tensor, group: dist.ProcessGroup, label: str) -> None:

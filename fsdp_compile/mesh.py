@@ -1,6 +1,8 @@
 """Which ranks shard and which replicate: the data-parallel view of a ``DeviceMesh``."""
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -9,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
-__all__ = ["ShardGroup", "MeshInfo", "PostForwardMeshInfo", "default_mesh", "mesh_info_for", "post_forward_mesh_info_for", "mesh_device"]
+__all__ = ["ShardGroup", "MeshInfo", "replicate_mesh", "hybrid_mesh", "PostForwardMeshInfo", "default_mesh", "mesh_info_for", "post_forward_mesh_info_for", "mesh_device"]
 
 
 class ShardGroup(Protocol):
@@ -71,12 +73,46 @@ def default_mesh() -> DeviceMesh:
             "fully_shard needs torch.distributed: call torch.distributed.init_process_group('gloo') "
             "(CPU) or ('nccl') (CUDA) first, or pass mesh=init_device_mesh(...)"
         )
-    backend = str(dist.get_backend())
-    device_type = "cuda" if "nccl" in backend and torch.cuda.is_available() else "cpu"
+    device_type = _default_device_type()
     key = (device_type, id(dist.group.WORLD))
     if key not in _default_meshes:
         _default_meshes[key] = init_device_mesh(device_type, (dist.get_world_size(),))
     return _default_meshes[key]
+
+
+def _default_device_type() -> str:
+    """CUDA when the default process group runs NCCL, else CPU."""
+    return "cuda" if "nccl" in str(dist.get_backend()) and torch.cuda.is_available() else "cpu"
+
+
+# --- FSDP1's sharding strategies (fsdp1_kwargs) ---------------------------------------------------
+_fsdp1_meshes: dict[tuple[str, int, int], DeviceMesh] = {}
+
+
+def _fsdp1_mesh_of_shape(replicate: int, shard: int) -> DeviceMesh:
+    device_type = _default_device_type()
+    key = (device_type, replicate, shard)
+    if key not in _fsdp1_meshes:  # creating a mesh is collective: once per shape, on every rank
+        _fsdp1_meshes[key] = init_device_mesh(device_type, (replicate, shard), mesh_dim_names=("replicate", "shard"))
+    return _fsdp1_meshes[key]
+
+
+def replicate_mesh() -> DeviceMesh:
+    """FSDP1's NO_SHARD: every rank a replica, shard groups of one rank: a ``(world, 1)`` mesh."""
+    return _fsdp1_mesh_of_shape(dist.get_world_size(), 1)
+
+
+def hybrid_mesh() -> DeviceMesh:
+    """FSDP1's HYBRID_SHARD default: shard within a node, replicate across nodes."""
+    world = dist.get_world_size()
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    if per_node < 1 or world % per_node != 0:
+        raise ValueError(
+            "HYBRID_SHARD shards within a node and replicates across nodes, but the ranks per node are unknown "
+            f"(LOCAL_WORLD_SIZE={os.environ.get('LOCAL_WORLD_SIZE')!r}, world size {world}). Pass "
+            "device_mesh=init_device_mesh(device, (num_nodes, ranks_per_node), mesh_dim_names=('replicate', 'shard')) to fsdp1_kwargs."
+        )
+    return _fsdp1_mesh_of_shape(world // per_node, per_node)
 
 
 def mesh_info_for(mesh: DeviceMesh) -> MeshInfo:

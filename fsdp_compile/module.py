@@ -277,7 +277,7 @@ def fully_shard(
             install_traced_param_access(ref.module, ref.name, fsdp_param, state)
     states = all_states_under(modules)
     for inner in states:
-        inner.has_parent = inner is not state
+        inner.outer = None if inner is state else state
     _label_groups(modules)
     for m in modules:
         cls = type(m)

@@ -34,10 +34,6 @@ class ParamRef:
     fqn: str
 
 
-def _set_on_module(ref: ParamRef, value: nn.Parameter) -> None:
-    # Bypasses nn.Module.__setattr__, which would reject swapping a Parameter for a
-    # differently-typed one and is slower; the registration itself is all we change.
-    ref.module._parameters[ref.name] = value
 
 
 def _allocate_storage(tensor: torch.Tensor) -> None:
@@ -99,13 +95,26 @@ class FSDPParam:
         # Gradient kept unsharded across no-sync steps (set_requires_gradient_sync(False)).
         self.unsharded_accumulated_grad: torch.Tensor | None = None
         self.sharded_state = ShardedState.SHARDED
-        for ref in refs:
-            _set_on_module(ref, self.sharded_param)
+        self.register_everywhere(self.sharded_param)
 
     def _set_dtypes(self, orig_dtype: torch.dtype) -> None:
         self.orig_dtype = orig_dtype
         self.param_dtype = self.mp_policy.param_dtype or orig_dtype
         self.reduce_dtype = self.mp_policy.reduce_dtype or self.param_dtype
+
+    # --- registration on the modules ------------------------------------------------------------
+    def register_everywhere(self, value: nn.Parameter) -> None:
+        """Make ``value`` what every place of this parameter holds (tied names share it).
+
+        The one writer of ``module._parameters`` for managed parameters: it bypasses
+        nn.Module.__setattr__, which would reject swapping a Parameter for a differently-typed one
+        (and which our traced-parameter class routes to ``replace_sharded_param``).
+        """
+        for ref in self.refs:
+            ref.module._parameters[ref.name] = value
+
+    def registered_value(self) -> nn.Parameter | None:
+        return self.refs[0].module._parameters.get(self.refs[0].name)
 
     # --- layout -----------------------------------------------------------------------
     @property
@@ -282,14 +291,12 @@ class FSDPParam:
 
     # --- state transitions ----------------------------------------------------------------
     def to_unsharded(self) -> None:
-        for ref in self.refs:
-            _set_on_module(ref, self.unsharded_param)
+        self.register_everywhere(self.unsharded_param)
         self.post_forward_shard = None
         self.sharded_state = ShardedState.UNSHARDED
 
     def to_sharded(self) -> None:
-        for ref in self.refs:
-            _set_on_module(ref, self.sharded_param)
+        self.register_everywhere(self.sharded_param)
         self.free_unsharded()
         self.post_forward_shard = None
         self.sharded_state = ShardedState.SHARDED
@@ -300,8 +307,7 @@ class FSDPParam:
         assert layout is not None and self.sharded_state == ShardedState.UNSHARDED
         rows = layout.shard_of(self.unsharded_param.data)
         self.post_forward_shard = layout.to_dim0(rows).clone(memory_format=torch.contiguous_format)
-        for ref in self.refs:
-            _set_on_module(ref, self.sharded_param)
+        self.register_everywhere(self.sharded_param)
         self.free_unsharded()
         self.sharded_state = ShardedState.SHARDED_POST_FORWARD
 
@@ -340,8 +346,7 @@ class FSDPParam:
             )
         self.sharded_param = new
         self._unsharded_param = None
-        for ref in self.refs:
-            _set_on_module(ref, new)
+        self.register_everywhere(new)
 
     def adopt_registered_param(self) -> None:
         """Lazy init: a tensor put straight into ``module._parameters`` after ``fully_shard`` (not
@@ -359,7 +364,7 @@ class FSDPParam:
 
     def reset_after_module_apply(self) -> None:
         """After ``module.to(...)``/``to_empty``: pick up the new local tensor, drop stale buffers."""
-        registered = self.refs[0].module._parameters[self.refs[0].name]
+        registered = self.registered_value()
         if isinstance(registered, nn.Parameter) and isinstance(registered.data, DTensor):
             self.sharded_param = registered
         self._set_dtypes(self.sharded_param._local_tensor.dtype)

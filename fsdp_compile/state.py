@@ -113,9 +113,10 @@ class FSDPState:
         # Its own until the root's lazy init shares the root's; see [Note: stream protocol].
         self.comm = group.comm if group is not None else CommContext(device)
         self.is_root: bool | None = None  # decided at lazy init
-        # Another fully_shard call was applied to an ancestor: not the root. Known without running
-        # forward, which the compiled path needs (it never runs the eager lazy init).
-        self.has_parent = False
+        # The outermost fully_shard call applied to an ancestor so far (None: this one is the root).
+        # Known without running forward, which the compiled path needs (it never runs the eager
+        # lazy init).
+        self.outer: FSDPState | None = None
         self.root_ctx: _RootContext | None = None
         self.training_state = TrainingState.IDLE
         self.forward_prefetch: list[FSDPState] | None = None
@@ -128,6 +129,11 @@ class FSDPState:
         # modules or forward calls reduces once, after the last of them (no repeated collectives).
         self._unfired_post_backward_triggers = 0
         self.is_last_backward = True  # read on the root only (set_is_last_backward)
+        # What state_dict() / load_state_dict() produce and take (fsdp_compile.state_dict_type);
+        # None: the default, a sharded state dict.
+        self.state_dict_settings: Any = None
+        # Inside unshard_params(): the modules hold temporary full parameters.
+        self.summoned = False
         # skip_fsdp_hooks: under Dynamo the hooks run eagerly, each call a graph break.
         self._eager_pre_forward_hook = torch._dynamo.disable(self._pre_forward, recursive=True)
         self._eager_post_forward_hook = torch._dynamo.disable(self._post_forward, recursive=True)
@@ -142,7 +148,7 @@ class FSDPState:
         """Whether the group frees its parameters after forward; the compiled path reads it at trace
         time (it never runs the eager lazy init, which settles the default for the root)."""
         if self.auto_reshard_after_forward:
-            return self.has_parent  # the root keeps its parameters, as in eager
+            return self.outer is not None  # the root keeps its parameters, as in eager
         return self.group is not None and self.group.reshard_after_forward
 
     def traced_unshard(self, fsdp_param: "FSDPParam") -> torch.Tensor:
@@ -158,14 +164,11 @@ class FSDPState:
 
     # --- lazy init ------------------------------------------------------------------------------
     def _lazy_init(self) -> None:
-        for other in list(_live_states):
-            if other is self:
-                continue
-            if any(m is mine for outer in other.modules for m in outer.modules() for mine in self.modules):
-                raise RuntimeError(
-                    f"fsdp_compile: forward ran on '{self.label}' before its root '{other.label}'. FSDP initializes "
-                    "lazily from the root: run the forward of the outermost fully_shard module (the model) first."
-                )
+        if self.outer is not None:
+            raise RuntimeError(
+                f"fsdp_compile: forward ran on '{self.label}' before its root '{self.outer.label}'. FSDP initializes "
+                "lazily from the root: run the forward of the outermost fully_shard module (the model) first."
+            )
         states = all_states_under(self.modules)
         for state in states:
             if state.root_ctx is not None and state is not self:
@@ -385,6 +388,25 @@ class FSDPState:
         ctx.comm.release()
         ctx.post_forward_order = []
         ctx.final_callback_queued = False
+
+    def reshard_for(self, action: str) -> None:
+        """Make the registered parameters the sharded ones before ``action`` (a state dict, a
+        load, unshard_params), or say why that is not possible now."""
+        if self.summoned:
+            raise RuntimeError(
+                f"fsdp_compile: {action} on '{self.label}' inside unshard_params(): the module holds temporary full "
+                "parameters there. Call it after the `with unshard_params(...)` block."
+            )
+        group = self.group
+        if group is None:
+            return
+        if group.training_state != TrainingState.IDLE or self.training_state != TrainingState.IDLE:
+            busy = group.training_state if group.training_state != TrainingState.IDLE else self.training_state
+            raise RuntimeError(
+                f"fsdp_compile: {action} on '{self.label}' while it is in {busy.name}: its parameters are unsharded "
+                "and in use. Call it outside forward/backward (e.g. after loss.backward() or before the next forward)."
+            )
+        group.reshard()
 
     # --- used by FSDPModule -----------------------------------------------------------------------
     def states_under(self, recurse: bool) -> list["FSDPState"]:
