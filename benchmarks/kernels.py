@@ -26,7 +26,6 @@ says so and times the reference against FSDP2's ops on small CPU groups, so it s
 from __future__ import annotations
 
 import argparse
-import math
 import random
 import time
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ from typing import Callable
 import torch
 
 from fsdp_compile.kernels import reference
+from fsdp_compile.layout import ShardLayout
 
 try:
     # Importing the module defines torch.ops.fsdp.* (all_gather_copy_in, split_with_sizes_copy, chunk_cat).
@@ -53,19 +53,24 @@ COPY_BYTES_CPU = 64 * MB
 
 @dataclass(frozen=True)
 class Group:
-    """One parameter group: unsharded shapes and FSDP's per-rank padded sizes."""
+    """One parameter group: unsharded shapes split over ``world`` ranks as the runtime splits them."""
 
     shapes: list[tuple[int, ...]]
-    padded: list[int]
     world: int
+
+    def layout(self, shape: tuple[int, ...], rank: int = 0) -> ShardLayout:
+        return ShardLayout(shape, 0, self.world, rank)
+
+    @property
+    def padded(self) -> list[int]:
+        return [self.layout(shape).padded_shard_numel for shape in self.shapes]
 
     @property
     def total(self) -> int:
         return sum(self.padded)
 
     def shard_rows(self, shape: tuple[int, ...], rank: int) -> tuple[int, ...]:
-        rows = math.ceil(shape[0] / self.world)
-        return (max(0, min(rows, shape[0] - rank * rows)), *shape[1:])
+        return self.layout(shape, rank).shard_shape()
 
 
 def make_group(size_bytes: int, num_params: int, world: int, element_size: int, seed: int = 0) -> Group:
@@ -78,8 +83,7 @@ def make_group(size_bytes: int, num_params: int, world: int, element_size: int, 
     for weight in weights:
         rows = max(1, int(numel / cols * weight / sum(weights)))
         shapes.append((rows + (1 if rows % world == 0 else 0), cols))  # uneven: the last rank is short
-    padded = [math.ceil(rows / world) * cols for rows, cols in shapes]
-    return Group(shapes, padded, world)
+    return Group(shapes, world)
 
 
 @dataclass
