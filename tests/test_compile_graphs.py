@@ -93,11 +93,18 @@ def test_root_with_reshard_after_forward_true_saves_nothing_unsharded(fake_world
 
 
 def test_fingerprint_ignores_shapes_but_not_ops():
-    def traced(fn, *args):
-        return torch.fx.symbolic_trace(fn)
+    from torch.fx.experimental.proxy_tensor import make_fx
 
-    a = torch.fx.symbolic_trace(lambda x: torch.relu(x) * 2)
-    b = torch.fx.symbolic_trace(lambda x: torch.relu(x) * 3)
-    c = torch.fx.symbolic_trace(lambda x: torch.relu(x) + 2)
-    assert graph_fingerprint(a) == graph_fingerprint(b)
-    assert graph_fingerprint(a) != graph_fingerprint(c)
+    def scale(x):
+        return torch.relu(x) * 2
+
+    def shift(x):
+        return torch.relu(x) + 2
+
+    # Ranks with uneven shards trace the same ops on tensors of other shapes.
+    small, large = make_fx(scale)(torch.randn(3, 4)), make_fx(scale)(torch.randn(5, 4))
+    assert [n.meta["val"].shape for n in small.graph.nodes if n.op == "placeholder"] != [
+        n.meta["val"].shape for n in large.graph.nodes if n.op == "placeholder"
+    ]
+    assert graph_fingerprint(small) == graph_fingerprint(large)
+    assert graph_fingerprint(small) != graph_fingerprint(make_fx(shift)(torch.randn(3, 4)))

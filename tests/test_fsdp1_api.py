@@ -6,14 +6,13 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 import fsdp_compile
 from fsdp_compile import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, fsdp1_kwargs
 from fsdp_compile.models import next_token_loss
 from fsdp_compile.state import state_of
 from fsdp_testing import (
-    SMALL, build_reference, global_batches, local_part, max_param_difference, mean_across_ranks, train_reference, train_sharded,
+    SMALL, build_reference, global_batches, local_part, max_param_difference, train_reference, train_sharded,
 )
 
 LOSS_RTOL = 1e-6
@@ -160,29 +159,19 @@ def _cpu_offload_contract():
     plain = _shard_fsdp1_style(copy.deepcopy(reference))
     offloaded = _shard_fsdp1_style(copy.deepcopy(reference), cpu_offload=CPUOffload(offload_params=True))
     fsdp_params = [p for layer in [*offloaded.layers, offloaded] for p in state_of(layer).group.fsdp_params]
-    flags = all(p.offload_to_cpu and p.pin_memory for p in fsdp_params)
-    # Pinning needs CUDA; without it the shards are plain CPU memory.
-    pinned_as_expected = all(p.local_shard().is_pinned() == torch.cuda.is_available() for p in fsdp_params)
     plain_losses = train_sharded(plain, batches, "adamw")
-    optimizer = torch.optim.AdamW(offloaded.parameters(), lr=1e-3, weight_decay=0.01)
-    losses = []
-    for batch in batches:
-        tokens = local_part(batch)
-        loss = next_token_loss(offloaded(tokens), tokens)
-        loss.backward()
-        grads_on_cpu = all(p.grad._local_tensor.device.type == "cpu" for p in offloaded.parameters())
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    losses = [mean_across_ranks(x) for x in losses]
-    states_on_cpu = all(
-        v._local_tensor.device.type == "cpu" for s in optimizer.state.values() for v in s.values() if isinstance(v, DTensor)
-    )
-    params_on_cpu = all(p._local_tensor.device.type == "cpu" for p in offloaded.parameters())
-    same = losses == plain_losses and all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(offloaded.parameters(), plain.parameters()))
-    return flags, pinned_as_expected, grads_on_cpu, states_on_cpu, params_on_cpu, same
+    losses = train_sharded(offloaded, batches, "adamw")
+    # On a CPU mesh the device is the CPU, so where tensors live says nothing here (a GPU run
+    # checks that); what holds everywhere is the policy reaching every parameter, pinning only
+    # with CUDA, and training exactly like the plain model.
+    return {
+        "policy_on_every_parameter": all(p.offload_to_cpu and p.pin_memory for p in fsdp_params),
+        "pinned_only_with_cuda": all(p.local_shard().is_pinned() == torch.cuda.is_available() for p in fsdp_params),
+        "same_losses": losses == plain_losses,
+        "same_parameters": all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(offloaded.parameters(), plain.parameters())),
+    }
 
 
-def test_cpu_offload_keeps_shards_grads_and_optimizer_state_on_cpu_and_trains_identically(dist):
+def test_cpu_offload_policy_reaches_every_parameter_and_trains_identically(dist):
     for result in dist.run(2, _cpu_offload_contract):
-        assert result == (True, True, True, True, True, True), result
+        assert all(result.values()), result

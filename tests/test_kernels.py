@@ -19,7 +19,7 @@ import random
 import pytest
 import torch
 
-from fsdp_compile.kernels import ops, reference
+from fsdp_compile.kernels import reference
 from fsdp_compile.layout import ShardLayout
 
 # The interpreter evaluates NaN inputs with numpy, which warns; NaNs are part of the test data.

@@ -6,7 +6,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fsdp_compile
-from fsdp_compile import FSDPModule, ShardedState, TrainingState, fully_shard
+from fsdp_compile import FSDPModule, fully_shard
 from fsdp_compile.models import next_token_loss
 from fsdp_testing import SMALL, build_reference, global_batches, local_part, shard_model, sharded_copy
 
