@@ -6,14 +6,14 @@ Registered on ``import fsdp_compile`` and through the ``torch_dynamo_backends`` 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from typing import Any, Callable, Iterator, Sequence
 
-import torch.distributed as dist
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-__all__ = ["fsdp_inductor", "fsdp_inductor_with", "fsdp_aot_eager", "observe_graphs", "graph_fingerprint", "check_same_graph_on_all_ranks"]
+from fsdp_compile.graph_check import check_collectives_match_across_ranks
+
+__all__ = ["fsdp_inductor", "fsdp_inductor_with", "fsdp_aot_eager", "observe_graphs"]
 
 _PASS_VERSION = "fsdp_compile-recompute-v1"
 _POST_GRAD_VERSION = "fsdp_compile-bucket-reorder-v2"
@@ -106,32 +106,6 @@ INDUCTOR_COMM_PASSES_OFF: dict[str, Any] = {
 }
 
 
-def graph_fingerprint(gm: fx.GraphModule) -> str:
-    """Hash of the op sequence only: shapes may differ across ranks (uneven shards), ops may not."""
-    ops = "\n".join(f"{node.op}:{getattr(node.target, '__name__', node.target)}" for node in gm.graph.nodes)
-    return hashlib.sha256(ops.encode()).hexdigest()[:16]
-
-
-def check_same_graph_on_all_ranks(gm: fx.GraphModule) -> None:
-    """Raise on every rank if ranks traced different graphs: their collectives would not match up."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    mine = graph_fingerprint(gm)
-    everyone: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    if len(set(everyone)) > 1:
-        by_fingerprint: dict[str, list[int]] = {}
-        for rank, fingerprint in enumerate(everyone):
-            by_fingerprint.setdefault(str(fingerprint), []).append(rank)
-        groups = sorted(by_fingerprint.values(), key=len)
-        listed = "; ".join(f"ranks {ranks} traced graph {fp}" for fp, ranks in by_fingerprint.items())
-        raise RuntimeError(
-            f"fsdp_inductor: ranks traced different graphs ({listed}); ranks {groups[0]} differ. Every rank must run "
-            "the same code path (no control flow on the rank or on rank-local data), or their collectives would "
-            "hang. Move rank-dependent logic outside the compiled model."
-        )
-
-
 def fsdp_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
     """Compile a Dynamo graph of an FSDP model: check ranks agree, tag recompute, hand to Inductor
     with our post-grad passes (bucket, reorder; ``fsdp_compile.config.passes`` as it is now) and
@@ -181,7 +155,7 @@ def refuse_all_gather_extensions(gm: fx.GraphModule) -> None:
 def _compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], passes: Any) -> Any:
     from torch._inductor.compile_fx import compile_fx
 
-    check_same_graph_on_all_ranks(gm)
+    check_collectives_match_across_ranks(gm)
     refuse_all_gather_extensions(gm)
     pass_config = passes.resolved()
     config_patches = {
@@ -223,7 +197,7 @@ def fsdp_aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: 
     from fsdp_compile import config
     from fsdp_compile.passes import apply_post_grad_passes
 
-    check_same_graph_on_all_ranks(gm)
+    check_collectives_match_across_ranks(gm)
     refuse_all_gather_extensions(gm)
     pass_config = config.passes.resolved()
 

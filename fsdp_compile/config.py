@@ -7,11 +7,15 @@ Set them as module attributes before the code they affect runs::
 """
 from __future__ import annotations
 
-__all__ = ["skip_fsdp_hooks"]
+__all__ = ["skip_fsdp_hooks", "graph_check_timeout_s"]
 
 # Under torch.compile, run the FSDP hooks eagerly between compiled regions (graph breaks)
 # instead of tracing collectives into the graph. Numerics equal the eager runtime.
 skip_fsdp_hooks: bool = False
+
+# How long a rank that compiled a graph with new collectives waits (in the store, not in a
+# collective) for the other ranks to compile the same; see [Note: cross-rank graph check].
+graph_check_timeout_s: float = 300.0
 
 
 # --- Graph passes of backend="fsdp_inductor" / "fsdp_aot_eager" (DESIGN.md section 5) ---------------

@@ -1,6 +1,8 @@
 """The compiled path: fsdp_inductor, the skip_fsdp_hooks fallback and compiled autograd vs our eager runtime."""
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -178,30 +180,36 @@ def test_state_dict_of_compiled_model_loads_into_eager_model(dist):
 class _RankDependent(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self.lin = torch.nn.Linear(8, 8)
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 8)
 
     def forward(self, x):
-        y = self.lin(x)
-        if dist.get_rank() == 0:  # a different graph on rank 0
-            y = y * 2
-        return y
+        x = self.a(x)
+        if dist.get_rank() == 0:  # only rank 0 gathers b's parameters
+            x = self.b(x)
+        return x
 
 
 def _rank_dependent_control_flow():
     torch._dynamo.reset()
     model = _RankDependent()
+    fsdp_compile.fully_shard(model.a)
+    fsdp_compile.fully_shard(model.b)
     fsdp_compile.fully_shard(model)
+    start = time.monotonic()
     try:
         torch.compile(model, backend="fsdp_inductor")(torch.randn(2, 8))
     except Exception as error:  # noqa: BLE001
-        return str(error)
-    return ""
+        return str(error), time.monotonic() - start
+    return "", time.monotonic() - start
 
 
-def test_rank_dependent_graphs_fail_before_any_collective_with_the_ranks_named(dist):
-    for message in dist.run(2, _rank_dependent_control_flow):
-        assert "ranks traced different graphs" in message
-        assert "ranks [0] traced graph" in message and "ranks [1] traced graph" in message
+def test_rank_dependent_collectives_fail_before_any_collective_with_the_ranks_named(dist):
+    for message, seconds in dist.run(2, _rank_dependent_control_flow):
+        assert "ranks traced graphs with different collectives" in message, message
+        assert "ranks [0, 1] differ" in message and "rank 0 traced collectives" in message
+        # Found while both ranks wait in the store, not after the timeout: no hang.
+        assert seconds < fsdp_compile.config.graph_check_timeout_s / 2
 
 
 def test_fallback_inside_a_compiled_training_step_matches_eager(dist):

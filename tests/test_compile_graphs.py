@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 
 import fsdp_compile
-from fsdp_compile.backend import graph_fingerprint, observe_graphs
+from fsdp_compile.backend import observe_graphs
+from fsdp_compile.graph_check import collective_fingerprint
 from fsdp_compile.models import Transformer, TransformerConfig
 from fsdp_compile.passes.recompute import fsdp_annotation
 
@@ -92,19 +93,31 @@ def test_root_with_reshard_after_forward_true_saves_nothing_unsharded(fake_world
     assert regathered == {"Transformer", "layers.0", "layers.1"}
 
 
-def test_fingerprint_ignores_shapes_but_not_ops():
-    from torch.fx.experimental.proxy_tensor import make_fx
+def _graph(*ops: str, sub: torch.fx.GraphModule | None = None) -> torch.fx.GraphModule:
+    """A graph of ``ops`` ("ag": an all-gather of 8 ranks, "rs": a reduce-scatter, "relu"), by hand."""
+    graph = torch.fx.Graph()
+    value = graph.placeholder("x")
+    root = torch.nn.Module()
+    if sub is not None:
+        root.body = sub
+        graph.get_attr("body")
+    c10d = torch.ops._c10d_functional
+    for op in ops:
+        if op == "ag":
+            value = graph.call_function(c10d.wait_tensor.default, (graph.call_function(c10d.all_gather_into_tensor.default, (value, 8, "0")),))
+        elif op == "rs":
+            value = graph.call_function(c10d.reduce_scatter_tensor.default, (value, "sum", 8, "0"))
+        else:
+            value = graph.call_function(torch.ops.aten.relu.default, (value,))
+    graph.output(value)
+    return torch.fx.GraphModule(root, graph)
 
-    def scale(x):
-        return torch.relu(x) * 2
 
-    def shift(x):
-        return torch.relu(x) + 2
-
-    # Ranks with uneven shards trace the same ops on tensors of other shapes.
-    small, large = make_fx(scale)(torch.randn(3, 4)), make_fx(scale)(torch.randn(5, 4))
-    assert [n.meta["val"].shape for n in small.graph.nodes if n.op == "placeholder"] != [
-        n.meta["val"].shape for n in large.graph.nodes if n.op == "placeholder"
-    ]
-    assert graph_fingerprint(small) == graph_fingerprint(large)
-    assert graph_fingerprint(small) != graph_fingerprint(make_fx(shift)(torch.randn(3, 4)))
+def test_collective_fingerprint_sees_collectives_only():
+    # Ranks may trace other shapes or other non-collective ops (per-rank batches, dynamic shapes).
+    assert collective_fingerprint(_graph("relu", "ag", "relu")) == collective_fingerprint(_graph("ag"))
+    # A different collective, a missing one or a reordering is what would hang.
+    assert collective_fingerprint(_graph("ag")) != collective_fingerprint(_graph("ag", "ag"))
+    assert collective_fingerprint(_graph("ag", "rs")) != collective_fingerprint(_graph("rs", "ag"))
+    # Collectives inside subgraphs (an autograd function's backward body) count too.
+    assert collective_fingerprint(_graph("ag", sub=_graph("rs"))) != collective_fingerprint(_graph("ag"))

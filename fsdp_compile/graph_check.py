@@ -1,0 +1,122 @@
+"""Ranks compiled graphs whose collectives match, checked without a collective.
+
+[Note: cross-rank graph check]
+A compiled graph's collectives must match up across ranks, or the job hangs (NCCL) or aborts
+(gloo). What must match is the sequence of collectives (kind, process group, FSDP group), not the
+rest of the graph: ranks may legitimately trace different shapes (a smaller last batch, per-rank
+sequence lengths) or recompile alone when their shapes change. So each compile publishes the
+fingerprint of its collective sequence in the process group's store, under the Dynamo frame it
+belongs to, and compares it with what the other ranks published for that frame:
+
+- another rank already compiled a graph with the same collectives (the usual case, and every
+  rank-local recompile): nothing to wait for;
+- otherwise this is a new collective structure: wait (in the store, not in a collective) for every
+  rank to publish it, which they do when they reach the same compile. If another rank is itself
+  waiting on a different structure for this frame that this rank never compiled, the ranks
+  diverged: both raise an error naming the ranks at once, long before any collective could hang.
+  A rank that never arrives fails the wait after ``config.graph_check_timeout_s``.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+__all__ = ["collective_fingerprint", "check_collectives_match_across_ranks"]
+
+_PREFIX = "fsdp_compile/collectives"
+_POLL_S = 0.02
+
+
+def _collective_calls(gm: fx.GraphModule) -> list[str]:
+    """Every functional collective in ``gm`` and its subgraphs (autograd functions' forward and
+    backward bodies, nested regions), in graph order, with its non-tensor arguments."""
+    calls = []
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            sub = getattr(gm, node.target, None)
+            if isinstance(sub, fx.GraphModule):
+                calls.extend(_collective_calls(sub))
+        elif node.op == "call_function" and _is_functional_collective(node.target):
+            name = getattr(node.target, "__name__", str(node.target))
+            if not name.startswith("wait_tensor"):
+                constants = [repr(a) for a in node.args if not isinstance(a, (fx.Node, list, tuple))]
+                label = (node.meta.get("custom") or {}).get("fsdp_group", "")
+                calls.append(f"{name}({', '.join(constants)}) group={label}")
+    return calls
+
+
+def _is_functional_collective(target: object) -> bool:
+    # Dynamo's graphs hold op packets (torch.ops._c10d_functional.x), AOT's the overloads (x.default).
+    qualified = getattr(target, "_qualified_op_name", None) or getattr(getattr(target, "overloadpacket", None), "_qualified_op_name", "")
+    return qualified.startswith("_c10d_functional::")
+
+
+def collective_fingerprint(gm: fx.GraphModule) -> str:
+    """Hash of the collective sequence: independent of shapes and of every non-collective op."""
+    return hashlib.sha256("\n".join(_collective_calls(gm)).encode()).hexdigest()[:16]
+
+
+def _frame_key() -> str:
+    """The Dynamo frame being compiled: the same key on every rank running the same code."""
+    compile_id = torch._guards.CompileContext.current_compile_id()
+    if compile_id is None:
+        return "unknown"
+    return f"{compile_id.compiled_autograd_id}-{compile_id.frame_id}"
+
+
+def _store_and_ranks() -> tuple[object, int, int] | None:
+    if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
+        return None
+    return dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
+
+
+def check_collectives_match_across_ranks(gm: fx.GraphModule) -> None:
+    """See [Note: cross-rank graph check]; raises on every diverging rank, naming the ranks."""
+    from fsdp_compile import config
+
+    found = _store_and_ranks()
+    if found is None:
+        return
+    store, rank, world = found
+    frame, fingerprint = _frame_key(), collective_fingerprint(gm)
+    prefix = f"{_PREFIX}/{frame}"
+    store.set(f"{prefix}/{fingerprint}/{rank}", "1")
+    missing = [r for r in range(world) if r != rank and not store.check([f"{prefix}/{fingerprint}/{r}"])]
+    if not missing:
+        return
+    waiting_key = f"{prefix}/waiting/{rank}"
+    store.set(waiting_key, fingerprint)
+    deadline = time.monotonic() + config.graph_check_timeout_s
+    while missing:
+        for other in list(missing):
+            if store.check([f"{prefix}/{fingerprint}/{other}"]):
+                missing.remove(other)
+                continue
+            theirs = store.get(f"{prefix}/waiting/{other}").decode() if store.check([f"{prefix}/waiting/{other}"]) else ""
+            if theirs and theirs != fingerprint and not store.check([f"{prefix}/{theirs}/{rank}"]):
+                # This rank's waiting key stays set: the other rank sees the same standoff and raises too.
+                _raise_divergence(rank, fingerprint, {other: theirs})
+        if missing and time.monotonic() > deadline:
+            raise RuntimeError(
+                f"fsdp_inductor: rank {rank} compiled a graph whose collectives ({fingerprint}) ranks {missing} "
+                f"have not compiled after {config.graph_check_timeout_s:.0f} s. Every rank must run the same "
+                "code path (no control flow on the rank or on rank-local data that changes which parameters "
+                "are gathered), or their collectives would hang."
+            )
+        if missing:
+            time.sleep(_POLL_S)
+    store.set(waiting_key, "")
+
+
+def _raise_divergence(rank: int, mine: str, others: dict[int, str]) -> None:
+    listed = "; ".join([f"rank {rank} traced collectives {mine}"] + [f"rank {r} traced collectives {fp}" for r, fp in others.items()])
+    raise RuntimeError(
+        f"fsdp_inductor: ranks traced graphs with different collectives ({listed}); ranks {sorted([rank, *others])} "
+        "differ. Every rank must run the same code path (no control flow on the rank or on rank-local data that "
+        "changes which parameters are gathered), or their collectives would hang. Move rank-dependent logic "
+        "outside the compiled model."
+    )
