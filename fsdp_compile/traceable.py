@@ -23,11 +23,10 @@ import torch
 import torch.nn.functional as F
 import torch.fx.traceback as fx_traceback
 
+from fsdp_compile.annotations import FSDP_ANNOTATION_KEY, GROUP_KEY, PARAM_KEY, RESHARD_AFTER_FORWARD_KEY
 from fsdp_compile import config
 
 __all__ = ["TraceInfo", "unshard_for_trace", "install_traced_param_access", "FSDP_ANNOTATION_KEY"]
-
-FSDP_ANNOTATION_KEY = "fsdp"
 
 _functional = torch.ops._c10d_functional
 
@@ -56,9 +55,9 @@ class TraceInfo:
     def annotation(self) -> dict[str, object]:
         return {
             FSDP_ANNOTATION_KEY: True,
-            "fsdp_group": self.group,
-            "fsdp_param": self.fqn,
-            "fsdp_reshard_after_forward": self.reshard_after_forward,
+            GROUP_KEY: self.group,
+            PARAM_KEY: self.fqn,
+            RESHARD_AFTER_FORWARD_KEY: self.reshard_after_forward,
         }
 
 

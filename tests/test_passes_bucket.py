@@ -9,8 +9,7 @@ import fsdp_compile
 from fsdp_compile.backend import observe_graphs
 from fsdp_compile.config import PassConfig
 from fsdp_compile.models import Transformer, TransformerConfig
-from fsdp_compile.passes.bucket import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, collective_nodes
-from fsdp_compile.passes.recompute import fsdp_annotation
+from fsdp_compile.passes.graph import ALL_GATHER, ALL_REDUCE, GROUP_KEY, REDUCE_SCATTER, collective_nodes, fsdp_annotation
 
 CONFIG = TransformerConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=16)
 GROUPS = {"Transformer", "layers.0", "layers.1"}
@@ -39,7 +38,7 @@ def _graphs(passes: PassConfig, mp_policy=None, mesh=None):
 
 
 def _groups(nodes):
-    return [fsdp_annotation(n)["fsdp_group"] for n in nodes]
+    return [fsdp_annotation(n)[GROUP_KEY] for n in nodes]
 
 
 def test_bucketing_leaves_one_all_gather_and_one_reduce_scatter_per_group(fake_world):

@@ -10,9 +10,10 @@ import torch.fx as fx
 
 import fsdp_compile
 from fsdp_compile.config import PassConfig
-from fsdp_compile.passes.bucket import ALL_GATHER, REDUCE_SCATTER, WAIT, collective_nodes
-from fsdp_compile.passes.recompute import fsdp_annotation
-from fsdp_compile.passes.reorder import collective_bytes, inflight_bytes, max_inflight_bytes
+from fsdp_compile.passes.graph import (
+    ALL_GATHER, GROUP_KEY, REDUCE_SCATTER, WAIT, collective_bytes, collective_nodes, fsdp_annotation, inflight_bytes,
+    max_inflight_bytes,
+)
 from test_passes_bucket import CONFIG, _graphs
 
 _SHORT = {ALL_GATHER: "AG", REDUCE_SCATTER: "RS"}
@@ -21,9 +22,9 @@ _SHORT = {ALL_GATHER: "AG", REDUCE_SCATTER: "RS"}
 def _event(node: fx.Node) -> str | None:
     """"issue AG layers.0" / "wait RS Transformer" for a collective or its wait, else None."""
     if node.target in _SHORT:
-        return f"issue {_SHORT[node.target]} {fsdp_annotation(node)['fsdp_group']}"
+        return f"issue {_SHORT[node.target]} {fsdp_annotation(node)[GROUP_KEY]}"
     if node.target is WAIT and node.args[0].target in _SHORT:
-        return f"wait {_SHORT[node.args[0].target]} {fsdp_annotation(node.args[0])['fsdp_group']}"
+        return f"wait {_SHORT[node.args[0].target]} {fsdp_annotation(node.args[0])[GROUP_KEY]}"
     return None
 
 
