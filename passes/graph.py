@@ -2,11 +2,13 @@
 which graph a pass is looking at, which ops are views or copies, and how many bytes a collective
 keeps allocated.
 
-recompute, bucket, reorder, dump and ``benchmarks/cost_model.py`` import these from here, so the
-in-flight budget and the cost model count a collective's bytes by one rule::
+recompute, bucket, reorder, dump and ``benchmarks/cost_model.py`` import these from here, so a
+collective's bytes in the dump timeline are the bytes the in-flight budget counts and the bytes
+the cost model sends over the wire::
 
-    collective_nodes(gm.graph, ALL_GATHER)   # in graph order
-    max_inflight_bytes(gm.graph)             # what PassConfig.max_inflight_bytes bounds
+    for node, flying in inflight_collectives(gm.graph):   # flying: {collective: collective_bytes}
+        ...
+    max_inflight_bytes(gm.graph)                          # what PassConfig.max_inflight_bytes bounds
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ __all__ = [
     "FSDP_ANNOTATION_KEY", "GROUP_KEY", "PARAM_KEY", "RESHARD_AFTER_FORWARD_KEY", "BUCKET_KEY", "GROUPS_KEY", "PARAMS_KEY",
     "ALL_GATHER", "REDUCE_SCATTER", "ALL_REDUCE", "WAIT", "COLLECTIVES", "COLLECTIVE_NAMES", "FORCE_STRIDE",
     "collective_nodes", "single_wait", "fsdp_annotation", "is_tangent", "graph_kind", "is_view", "is_copy",
-    "tensor_bytes", "collective_bytes", "inflight_bytes", "max_inflight_bytes",
+    "tensor_bytes", "collective_bytes", "inflight_collectives", "inflight_bytes", "max_inflight_bytes",
 ]
 
 _c10d = torch.ops._c10d_functional
@@ -123,21 +125,30 @@ def collective_bytes(collective: fx.Node) -> int:
     """Bytes a collective keeps allocated until its wait: an all-gather's output (the unsharded
     bucket), a reduce-scatter's input (the unsharded gradients), an all-reduce's tensor.
 
-    The in-flight budget and the cost model count these.
+    The in-flight budget, the dump timeline and the cost model all count these.
     """
     if collective.target is REDUCE_SCATTER and isinstance(collective.args[0], fx.Node):
         return tensor_bytes(collective.args[0].meta.get("val"))
     return tensor_bytes(collective.meta.get("val"))
 
 
-def inflight_bytes(graph: fx.Graph) -> Iterator[tuple[fx.Node, int]]:
-    """(node, bytes of collectives issued and not yet waited on just after it), in graph order."""
+def inflight_collectives(graph: fx.Graph) -> Iterator[tuple[fx.Node, dict[fx.Node, int]]]:
+    """(node, {collective: collective_bytes} issued and not yet waited on just after it), in graph order.
+
+    Every collective counts, the HSDP all-reduce included. The dict is a fresh copy per node.
+    """
     flying: dict[fx.Node, int] = {}
     for node in graph.nodes:
-        if node.op == "call_function" and node.target in (ALL_GATHER, REDUCE_SCATTER):
+        if node.op == "call_function" and node.target in COLLECTIVES:
             flying[node] = collective_bytes(node)
         elif node.op == "call_function" and node.target is WAIT:
             flying.pop(node.args[0], None)
+        yield node, dict(flying)
+
+
+def inflight_bytes(graph: fx.Graph) -> Iterator[tuple[fx.Node, int]]:
+    """(node, bytes of collectives issued and not yet waited on just after it), in graph order."""
+    for node, flying in inflight_collectives(graph):
         yield node, sum(flying.values())
 
 

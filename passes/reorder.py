@@ -26,13 +26,16 @@ backward: the re-gathers of recomputed groups, last block first)::
 so with ``k = 1`` group i+1's all-gather runs during group i's compute, and group i's
 reduce-scatter during group i-1's backward. ``k = 0`` keeps each collective next to its use.
 
-In flight means issued and not yet waited on; its bytes (``collective_bytes`` in graph.py) are
-the all-gather's output (the unsharded bucket) or the reduce-scatter's input (the unsharded
-gradients), the tensors that stay allocated until the wait. ``max_inflight_bytes`` bounds their
-sum at every point of the graph: a prefetch that does not fit is postponed (all-gathers keep
-their order, so later ones wait too), and before a collective that must issue now, the oldest
-collectives in flight are waited on until it fits. A single collective larger than the budget
-issues alone, at its use.
+In flight means issued and not yet waited on; its bytes are ``collective_bytes`` (graph.py): the
+all-gather's output (the unsharded bucket), the reduce-scatter's input (the unsharded gradients),
+the HSDP all-reduce's reduced shard, the tensors that stay allocated until the wait.
+``max_inflight_bytes`` bounds their sum at every point of the graph, as ``graph.inflight_bytes``
+counts it (and the dump timeline prints it): a prefetch that does not fit is postponed (all-gathers
+keep their order, so later ones wait too), and before a collective that must issue now, the
+oldest collectives in flight are waited on until it fits. A single collective larger than the
+budget issues alone, at its use. An HSDP all-reduce needs no room of its own: it issues in its
+reduce-scatter's wait block, right after that wait released the unsharded gradients, and holds
+a 1/world shard of them.
 
 Every decision reads only the graph and the config (no timings, no rank), so every rank builds
 the same schedule. ``fsdp_inductor`` also turns off Inductor's ``reorder_for_peak_memory`` while
