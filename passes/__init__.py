@@ -7,7 +7,7 @@ Each pass is a pure function ``(GraphModule, PassConfig) -> GraphModule`` (DESIG
 - ``reorder.py`` (post-grad): prefetch all-gathers, wait late, under an in-flight byte budget.
 - ``dump.py``: ``FSDP_COMPILE_DUMP=dir`` writes graphs and timelines around each pass.
 - ``graph.py``: what they share: collective ops, the FSDP annotation, graph kind, views, bytes in
-  flight.
+  flight, and the counter of passes that gave up.
 """
 from __future__ import annotations
 

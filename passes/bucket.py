@@ -14,11 +14,11 @@ writes the bucket and no full-precision copy of the bucket exists::
 The bucketed all-gather sits where the group's first all-gather was (its shard inputs are
 hoisted above it); the bucketed reduce-scatter right after the group's last gradient (readers of
 the reduced shards that came earlier are moved after it). With ``merge_small_groups_bytes``
-adjacent buckets merge while their unsharded size stays under the cap.
+adjacent buckets merge while their unsharded size stays under the cap. A group it cannot bucket
+stays per parameter, counted and logged (see [Note: a pass that gives up] in graph.py).
 """
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,14 +28,12 @@ import torch.fx as fx
 
 from fsdp_compile.config import PassConfig
 from fsdp_compile.passes.graph import (
-    ALL_GATHER, ALL_REDUCE, BUCKET_KEY, COLLECTIVES, FORCE_STRIDE, FSDP_ANNOTATION_KEY, GROUP_KEY,
+    ALL_GATHER, ALL_REDUCE, BUCKET_KEY, COLLECTIVE_NAMES, COLLECTIVES, FORCE_STRIDE, FSDP_ANNOTATION_KEY, GROUP_KEY,
     GROUPS_KEY, PARAM_KEY, PARAMS_KEY, REDUCE_SCATTER, RESHARD_AFTER_FORWARD_KEY, WAIT, collective_nodes,
-    fsdp_annotation, single_wait,
+    fsdp_annotation, give_up, single_wait,
 )
 
 __all__ = ["bucket_collectives"]
-
-log = logging.getLogger(__name__)
 
 _aten = torch.ops.aten
 
@@ -133,6 +131,10 @@ def _collect(graph: fx.Graph, target: Any, config: PassConfig) -> list[_Bucket]:
         group = annotation[GROUP_KEY]
         found = _member_and_key(node, group)
         if found is None:
+            give_up(
+                "bucket", "%s %s of %s is not read through one wait; left per parameter",
+                COLLECTIVE_NAMES[target], node.name, group,
+            )
             continue
         member, key = found
         buckets.setdefault(key, _Bucket(key, [group])).members.append(member)
@@ -178,7 +180,7 @@ def _bucket_all_gather(graph: fx.Graph, bucket: _Bucket) -> bool:
     position: dict[fx.Node, float] = {n: float(i) for i, n in enumerate(graph.nodes)}
     anchor = min((m.collective for m in bucket.members), key=position.__getitem__)
     if not all(_hoist_above(m.collective.args[0], anchor, position) for m in bucket.members):
-        log.warning("fsdp bucket: cannot bucket all-gathers of %s (inputs computed late); left per parameter", bucket.groups)
+        give_up("bucket", "cannot bucket all-gathers of %s (inputs computed late); left per parameter", bucket.groups)
         return False
     _, _, world, group_name, _ = bucket.key
     annotation = _bucket_annotation(bucket, "all_gather")
@@ -222,7 +224,7 @@ def _bucket_reduce_scatter(graph: fx.Graph, bucket: _Bucket) -> bool:
     old = [n for m in bucket.members for n in _chain(m)]
     dependents = _dependents(old) - set(old)
     if any(g in dependents for g in grads):
-        log.warning("fsdp bucket: gradients of %s depend on each other's reduction; left per parameter", bucket.groups)
+        give_up("bucket", "gradients of %s depend on each other's reduction; left per parameter", bucket.groups)
         return False
     _, _, reduce_op, world, group_name, replicate, _ = bucket.key
     annotation = _bucket_annotation(bucket, "reduce_scatter")

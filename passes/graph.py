@@ -1,6 +1,6 @@
 """The graph vocabulary every pass shares: what an FSDP collective is, how its annotation reads,
-which graph a pass is looking at, which ops are views or copies, and how many bytes a collective
-keeps allocated.
+which graph a pass is looking at, which ops are views or copies, how many bytes a collective keeps
+allocated, and how a pass says it gave up.
 
 recompute, bucket, reorder, dump and ``benchmarks/cost_model.py`` import these from here, so a
 collective's bytes in the dump timeline are the bytes the in-flight budget counts and the bytes
@@ -12,7 +12,9 @@ the cost model sends over the wire::
 """
 from __future__ import annotations
 
+import logging
 import operator
+from collections import Counter
 from typing import Any, Iterator
 
 import torch
@@ -27,6 +29,7 @@ __all__ = [
     "ALL_GATHER", "REDUCE_SCATTER", "ALL_REDUCE", "WAIT", "COLLECTIVES", "COLLECTIVE_NAMES", "FORCE_STRIDE",
     "collective_nodes", "single_wait", "fsdp_annotation", "is_tangent", "graph_kind", "is_view", "is_copy",
     "tensor_bytes", "collective_bytes", "inflight_collectives", "inflight_bytes", "max_inflight_bytes",
+    "pass_counters", "give_up",
 ]
 
 _c10d = torch.ops._c10d_functional
@@ -156,3 +159,24 @@ def max_inflight_bytes(graph: fx.Graph) -> int:
     """The most bytes in flight at any point of ``graph`` (what ``PassConfig.max_inflight_bytes`` bounds)."""
     return max((total for _, total in inflight_bytes(graph)), default=0)
 
+
+# --- Giving up -----------------------------------------------------------------------------------
+
+# [Note: a pass that gives up]
+# A pass that cannot rewrite (part of) a graph leaves it as it found it: the result is still
+# correct, only slower. So that this never goes unnoticed, each such place calls ``give_up``,
+# which logs why and counts it in ``pass_counters["<pass>.gave_up"]`` (a process-wide tally, as
+# Inductor's ``torch._dynamo.utils.counters``); the pass tests assert it stays zero on the
+# models we ship.
+pass_counters: Counter[str] = Counter()
+
+
+def give_up(pass_name: str, reason: str, *args: Any) -> None:
+    """Count and log that ``pass_name`` left (part of) a graph alone; see [Note: a pass that gives up].
+
+    Example::
+
+        give_up("bucket", "gradients of %s depend on each other's reduction; left per parameter", groups)
+    """
+    pass_counters[f"{pass_name}.gave_up"] += 1
+    logging.getLogger(f"fsdp_compile.passes.{pass_name}").warning(f"fsdp {pass_name}: {reason}", *args)

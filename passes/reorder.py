@@ -43,19 +43,17 @@ this pass runs: that scheduler pass would otherwise move each all-gather back do
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 import torch.fx as fx
 
 from fsdp_compile.config import PassConfig
 from fsdp_compile.passes.graph import (
-    ALL_GATHER, ALL_REDUCE, COLLECTIVES, REDUCE_SCATTER, WAIT, collective_bytes, collective_nodes, single_wait,
+    ALL_GATHER, ALL_REDUCE, COLLECTIVES, REDUCE_SCATTER, WAIT, collective_bytes, collective_nodes, give_up,
+    single_wait,
 )
 
 __all__ = ["reorder_collectives"]
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)  # identity: entries are looked up in lists
@@ -254,7 +252,7 @@ def reorder_collectives(gm: fx.GraphModule, config: PassConfig) -> fx.GraphModul
     graph = gm.graph
     collectives = _collectives(graph)
     if collectives is None:
-        log.warning("fsdp reorder: a collective's result is read other than through one wait; graph left in order")
+        give_up("reorder", "a collective's result is read other than through one wait; graph left in order")
         return gm
     if not collectives:
         return gm

@@ -6,7 +6,7 @@ import torch
 import fsdp_compile
 from fsdp_compile.backend import graph_fingerprint, observe_graphs
 from fsdp_compile.models import Transformer, TransformerConfig
-from fsdp_compile.passes.graph import GROUP_KEY, PARAM_KEY, fsdp_annotation
+from fsdp_compile.passes.graph import GROUP_KEY, PARAM_KEY, fsdp_annotation, pass_counters
 
 CONFIG = TransformerConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=16)
 
@@ -83,6 +83,8 @@ def test_reshard_after_forward_groups_re_all_gather_instead_of_saving(fake_world
     assert regathered == {"layers.0", "layers.1"}
     # The root keeps its parameters (reshard_after_forward=None means False for the root): saved.
     assert "Transformer" in saved
+    # The default passes ran on these graphs (bucket, reorder) and took every group.
+    assert pass_counters["bucket.gave_up"] == pass_counters["reorder.gave_up"] == 0
 
 
 def test_root_with_reshard_after_forward_true_saves_nothing_unsharded(fake_world):
@@ -90,6 +92,7 @@ def test_root_with_reshard_after_forward_true_saves_nothing_unsharded(fake_world
     assert _saved_all_gather_outputs(forward) == []
     regathered = {fsdp_annotation(n)[GROUP_KEY] for n in _ops(backward, "all_gather_into_tensor")}
     assert regathered == {"Transformer", "layers.0", "layers.1"}
+    assert pass_counters["bucket.gave_up"] == pass_counters["reorder.gave_up"] == 0
 
 
 def test_fingerprint_ignores_shapes_but_not_ops():

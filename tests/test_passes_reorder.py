@@ -14,7 +14,7 @@ from fsdp_compile.config import PassConfig
 from fsdp_compile.passes.dump import collective_timeline
 from fsdp_compile.passes.graph import (
     ALL_GATHER, ALL_REDUCE, COLLECTIVES, GROUP_KEY, REDUCE_SCATTER, WAIT, collective_bytes, collective_nodes,
-    fsdp_annotation, inflight_bytes, inflight_collectives, max_inflight_bytes,
+    fsdp_annotation, inflight_bytes, inflight_collectives, max_inflight_bytes, pass_counters,
 )
 from test_passes_bucket import CONFIG, _graphs
 
@@ -58,6 +58,7 @@ def test_forward_prefetches_the_next_group_before_the_current_compute(fake_world
     # layers.1's gather is in flight during all of layers.0's matmuls (q, k, v, o, w1, w3, w2).
     assert _matmuls_between(forward.graph, "issue AG layers.1", "wait AG layers.1") == 7
     assert _matmuls_between(forward.graph, "wait AG layers.0", "issue AG layers.1") == 0
+    assert pass_counters["bucket.gave_up"] == pass_counters["reorder.gave_up"] == 0
 
 
 def test_backward_prefetches_regathers_and_waits_on_reduce_scatters_late(fake_world):
@@ -76,6 +77,7 @@ def test_backward_prefetches_regathers_and_waits_on_reduce_scatters_late(fake_wo
     last_wait = [n for n in backward.graph.nodes if n.target is WAIT][-1]
     between = list(backward.graph.nodes)[list(backward.graph.nodes).index(last_wait):]
     assert not any(n.target is torch.ops.aten.mm.default for n in between)
+    assert pass_counters["bucket.gave_up"] == pass_counters["reorder.gave_up"] == 0
 
 
 def test_depth_two_and_depth_zero(fake_world):
@@ -127,10 +129,11 @@ def test_the_same_graph_yields_the_same_schedule(fake_world):
 
 
 def _hsdp_graphs(passes: PassConfig):
-    """(forward, backward) on a 2 x 4 (replicate, shard) mesh of 8 fake ranks."""
+    """(forward, backward) on a 2 x 4 (replicate, shard) mesh of 8 fake ranks, give-up counters cleared."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    pass_counters.clear()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
     torch._dynamo.reset()
     try:
@@ -148,6 +151,7 @@ def test_hsdp_schedule_keeps_each_all_reduce_behind_its_reduce_scatter():
         wait = next(iter(scatter.users))
         all_reduce = next(u for u in wait.users if u.target is ALL_REDUCE)
         assert nodes.index(all_reduce) == nodes.index(wait) + 1
+    assert pass_counters["bucket.gave_up"] == pass_counters["reorder.gave_up"] == 0
 
 
 def test_hsdp_all_reduces_count_against_the_budget():
