@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import operator
 import platform
 import sys
 import time
@@ -54,8 +53,9 @@ from torch.utils.flop_counter import flop_registry
 import fsdp_compile
 from fsdp_compile.config import PassConfig
 from fsdp_compile.models import Transformer, TransformerConfig
-from fsdp_compile.passes.bucket import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, WAIT
-from fsdp_compile.passes.reorder import collective_bytes
+from fsdp_compile.passes.graph import (
+    COLLECTIVE_NAMES, GROUP_KEY, WAIT, collective_bytes, fsdp_annotation, is_view, tensor_bytes,
+)
 
 __all__ = [
     "Compute", "Issue", "Wait", "Event", "Result", "Hardware", "LLAMA_8B", "CONFIGURATIONS",
@@ -149,9 +149,6 @@ class Result:
 # --- Graph -> schedule ---------------------------------------------------------------------------
 
 _aten = torch.ops.aten
-_COLLECTIVE_KINDS = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_REDUCE: "all_reduce"}
-# Free reshapes that the op schema does not mark as aliasing.
-_ALSO_VIEWS = {_aten._unsafe_view.default}
 # The graphs are traced on CPU, so attention appears as the CPU flash kernels, which the FLOP
 # registry lacks; they compute what the CUDA flash kernels (registered) compute, and take the
 # same leading (grad_out,) query, key, value arguments the registry's formulas read.
@@ -162,20 +159,6 @@ _FLOP_ALIASES = {
 # The registry counts attention as a full square; causal flash kernels skip the masked half of
 # the tiles. Counting the full square would overstate compute and so flatter the overlap.
 CAUSAL_ATTENTION_FRACTION = 0.5
-
-
-def _tensor_bytes(value: Any) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, (tuple, list)):
-        return sum(_tensor_bytes(v) for v in value)
-    return 0
-
-
-def _is_view(node: fx.Node) -> bool:
-    if node.target is operator.getitem:
-        return True
-    return isinstance(node.target, torch._ops.OpOverload) and (node.target.is_view or node.target in _ALSO_VIEWS)
 
 
 def _argument(node: fx.Node, name: str) -> Any:
@@ -227,16 +210,16 @@ def schedule_from_graph(gm: fx.GraphModule) -> list[Event]:
             if collective not in issued:
                 raise ValueError(f"cost_model: {node.name} waits on {collective}, which is not a collective issued earlier")
             events.append(Wait(issued[collective]))
-        elif node.target in _COLLECTIVE_KINDS:
-            kind = _COLLECTIVE_KINDS[node.target]
-            group = (node.meta.get("custom") or {}).get("fsdp_group")
+        elif node.target in COLLECTIVE_NAMES:
+            kind = COLLECTIVE_NAMES[node.target]
+            group = (fsdp_annotation(node) or {}).get(GROUP_KEY)
             issued[node] = len(events)
             events.append(Issue(kind, collective_bytes(node), group))
         elif getattr(node.target, "namespace", None) == "_c10d_functional":
-            raise ValueError(f"cost_model: no cost formula for {node.target} ({node.name}); add it to _COLLECTIVE_KINDS")
+            raise ValueError(f"cost_model: no cost formula for {node.target} ({node.name}); add it to passes/graph.py's COLLECTIVE_NAMES")
         else:
-            nbytes = 0 if _is_view(node) else _tensor_bytes(node.meta.get("val")) + sum(
-                _tensor_bytes(i.meta.get("val")) for i in node.all_input_nodes
+            nbytes = 0 if is_view(node) else tensor_bytes(node.meta.get("val")) + sum(
+                tensor_bytes(i.meta.get("val")) for i in node.all_input_nodes
             )
             events.append(Compute(getattr(node.target, "__name__", str(node.target)), _flops(node), nbytes))
     return events

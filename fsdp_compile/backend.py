@@ -83,7 +83,7 @@ class _PostGradPasses(CustomGraphPass):
 
 
 def _kind(gm: fx.GraphModule) -> str:
-    from fsdp_compile.passes.dump import graph_kind
+    from fsdp_compile.passes.graph import graph_kind
 
     return graph_kind(gm)
 
@@ -138,10 +138,10 @@ def fsdp_inductor_with(passes: Any) -> Callable[..., Any]:
 def refuse_all_gather_extensions(gm: fx.GraphModule) -> None:
     """The traced unshard gathers the shard itself: a parameter whose local shard defines FSDP2's
     all-gather extension (``fsdp_pre_all_gather``) would silently lose it, so it is refused."""
-    from fsdp_compile.passes.recompute import fsdp_annotation
+    from fsdp_compile.passes.graph import GROUP_KEY, PARAM_KEY, fsdp_annotation
     from fsdp_compile.state import live_states
 
-    traced = {(a["fsdp_group"], a["fsdp_param"]) for node in gm.graph.nodes if (a := fsdp_annotation(node)) is not None}
+    traced = {(a[GROUP_KEY], a[PARAM_KEY]) for node in gm.graph.nodes if (a := fsdp_annotation(node)) is not None}
     for state in live_states():
         for fsdp_param in state.group.fsdp_params if state.group is not None else ():
             if (state.group.label, fsdp_param.fqn) in traced and fsdp_param.uses_all_gather_extension:

@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from fsdp_compile.annotations import GROUP_KEY
+
 __all__ = ["collective_fingerprint", "check_collectives_match_across_ranks"]
 
 _PREFIX = "fsdp_compile/collectives"
@@ -44,7 +46,7 @@ def _collective_calls(gm: fx.GraphModule) -> list[str]:
             name = getattr(node.target, "__name__", str(node.target))
             if not name.startswith("wait_tensor"):
                 constants = [repr(a) for a in node.args if not isinstance(a, (fx.Node, list, tuple))]
-                label = (node.meta.get("custom") or {}).get("fsdp_group", "")
+                label = (node.meta.get("custom") or {}).get(GROUP_KEY, "")
                 calls.append(f"{name}({', '.join(constants)}) group={label}")
     return calls
 

@@ -22,12 +22,11 @@ import torch.nn.functional as F
 import torch.fx.traceback as fx_traceback
 
 from fsdp_compile import config
+from fsdp_compile.annotations import FSDP_ANNOTATION_KEY, GROUP_KEY, PARAM_KEY, RESHARD_AFTER_FORWARD_KEY
 from fsdp_compile.collectives import ReduceSpec
 from fsdp_compile.layout import ShardLayout
 
 __all__ = ["trace_annotation", "unshard_for_trace", "install_traced_param_access", "FSDP_ANNOTATION_KEY"]
-
-FSDP_ANNOTATION_KEY = "fsdp"
 
 _functional = torch.ops._c10d_functional
 
@@ -36,9 +35,9 @@ def trace_annotation(group: str, fqn: str, reshard_after_forward: bool) -> dict[
     """What each node of one parameter's traced unshard carries in ``node.meta["custom"]``."""
     return {
         FSDP_ANNOTATION_KEY: True,
-        "fsdp_group": group,
-        "fsdp_param": fqn,
-        "fsdp_reshard_after_forward": reshard_after_forward,
+        GROUP_KEY: group,
+        PARAM_KEY: fqn,
+        RESHARD_AFTER_FORWARD_KEY: reshard_after_forward,
     }
 
 

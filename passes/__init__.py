@@ -6,6 +6,8 @@ Each pass is a pure function ``(GraphModule, PassConfig) -> GraphModule`` (DESIG
 - ``bucket.py`` (post-grad): one all-gather / reduce-scatter per ``fully_shard`` group.
 - ``reorder.py`` (post-grad): prefetch all-gathers, wait late, under an in-flight byte budget.
 - ``dump.py``: ``FSDP_COMPILE_DUMP=dir`` writes graphs and timelines around each pass.
+- ``graph.py``: what they share: collective ops, the FSDP annotation, graph kind, views, bytes in
+  flight, and the counter of passes that gave up.
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ def apply_post_grad_passes(gm: fx.GraphModule, config) -> fx.GraphModule:
         gm = apply_post_grad_passes(backward_graph_module, fsdp_compile.config.passes)
     """
     from fsdp_compile.passes.bucket import bucket_collectives
-    from fsdp_compile.passes.dump import dump_graph, graph_kind
+    from fsdp_compile.passes.dump import dump_graph
+    from fsdp_compile.passes.graph import graph_kind
     from fsdp_compile.passes.reorder import reorder_collectives
 
     config = config.resolved()

@@ -14,11 +14,11 @@ writes the bucket and no full-precision copy of the bucket exists::
 The bucketed all-gather sits where the group's first all-gather was (its shard inputs are
 hoisted above it); the bucketed reduce-scatter right after the group's last gradient (readers of
 the reduced shards that came earlier are moved after it). With ``merge_small_groups_bytes``
-adjacent buckets merge while their unsharded size stays under the cap.
+adjacent buckets merge while their unsharded size stays under the cap. A group it cannot bucket
+stays per parameter, counted and logged (see [Note: a pass that gives up] in graph.py).
 """
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,27 +27,15 @@ import torch
 import torch.fx as fx
 
 from fsdp_compile.config import PassConfig
-from fsdp_compile.passes.recompute import fsdp_annotation
+from fsdp_compile.passes.graph import (
+    ALL_GATHER, ALL_REDUCE, BUCKET_KEY, COLLECTIVE_NAMES, COLLECTIVES, FORCE_STRIDE, FSDP_ANNOTATION_KEY, GROUP_KEY,
+    GROUPS_KEY, PARAM_KEY, PARAMS_KEY, REDUCE_SCATTER, RESHARD_AFTER_FORWARD_KEY, WAIT, collective_nodes,
+    fsdp_annotation, give_up, single_wait,
+)
 
-__all__ = ["bucket_collectives", "ALL_GATHER", "REDUCE_SCATTER", "ALL_REDUCE", "WAIT", "collective_nodes"]
+__all__ = ["bucket_collectives"]
 
-log = logging.getLogger(__name__)
-
-_c10d = torch.ops._c10d_functional
-ALL_GATHER = _c10d.all_gather_into_tensor.default
-REDUCE_SCATTER = _c10d.reduce_scatter_tensor.default
-ALL_REDUCE = _c10d.all_reduce.default
-WAIT = _c10d.wait_tensor.default
 _aten = torch.ops.aten
-
-
-def _force_stride_op() -> Any:
-    import torch._inductor.inductor_prims as inductor_prims
-
-    return inductor_prims.force_stride_order
-
-
-_FORCE_STRIDE = _force_stride_op()
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> list[int]:
@@ -56,10 +44,6 @@ def _contiguous_strides(shape: tuple[int, ...]) -> list[int]:
         strides.append(running)
         running *= max(size, 1)
     return list(reversed(strides))
-
-
-def collective_nodes(graph: fx.Graph, target: Any) -> list[fx.Node]:
-    return [n for n in graph.nodes if n.op == "call_function" and n.target is target]
 
 
 @dataclass
@@ -84,13 +68,6 @@ def _val(node: Any) -> Any:
     return node.meta.get("val") if isinstance(node, fx.Node) else node
 
 
-def _single_wait(node: fx.Node) -> fx.Node | None:
-    users = list(node.users)
-    if len(users) == 1 and users[0].target is WAIT:
-        return users[0]
-    return None
-
-
 def _new_node(graph: fx.Graph, target: Any, args: tuple, annotation: dict | None) -> fx.Node:
     """A call_function node with ``meta["val"]`` computed on the inputs' fake tensors (Inductor needs it)."""
     node = graph.call_function(target, args)
@@ -109,12 +86,12 @@ def _new_node(graph: fx.Graph, target: Any, args: tuple, annotation: dict | None
 def _bucket_annotation(bucket: _Bucket, kind: str) -> dict:
     first = fsdp_annotation(bucket.members[0].collective) or {}
     return {
-        "fsdp": True,
-        "fsdp_group": "+".join(bucket.groups),
-        "fsdp_groups": tuple(bucket.groups),
-        "fsdp_bucket": kind,
-        "fsdp_params": tuple(str((fsdp_annotation(m.collective) or {}).get("fsdp_param")) for m in bucket.members),
-        "fsdp_reshard_after_forward": first.get("fsdp_reshard_after_forward"),
+        FSDP_ANNOTATION_KEY: True,
+        GROUP_KEY: "+".join(bucket.groups),
+        GROUPS_KEY: tuple(bucket.groups),
+        BUCKET_KEY: kind,
+        PARAMS_KEY: tuple(str((fsdp_annotation(m.collective) or {}).get(PARAM_KEY)) for m in bucket.members),
+        RESHARD_AFTER_FORWARD_KEY: first.get(RESHARD_AFTER_FORWARD_KEY),
     }
 
 
@@ -122,38 +99,45 @@ def _shape(node: fx.Node) -> tuple[int, ...]:
     return tuple(int(s) for s in node.meta["val"].shape)
 
 
+def _member_and_key(node: fx.Node, group: str) -> tuple[_Member, tuple] | None:
+    """The member an annotated collective makes and the key of its bucket; None if it is not read
+    through one wait of a traced tensor (the shape traceable.py emits)."""
+    wait = single_wait(node)
+    source = node.args[0]
+    if wait is None or not isinstance(source, fx.Node) or "val" not in source.meta or "val" not in wait.meta:
+        return None
+    dtype = source.meta["val"].dtype
+    if node.target is ALL_GATHER:
+        world, group_name = node.args[1], node.args[2]
+        return _Member(node, wait, wait, math.prod(_shape(source))), (ALL_GATHER, group, world, group_name, dtype)
+    reduce_op, world, group_name = node.args[1], node.args[2], node.args[3]
+    result, replicate = wait, None
+    users = list(wait.users)
+    # HSDP: the reduced shard is all-reduced across replicas; bucket that too.
+    if len(users) == 1 and users[0].target is ALL_REDUCE and single_wait(users[0]) is not None:
+        result = single_wait(users[0])
+        replicate = (users[0].args[1], users[0].args[2])
+    key = (REDUCE_SCATTER, group, reduce_op, world, group_name, replicate, dtype)
+    return _Member(node, wait, result, math.prod(_shape(wait))), key
+
+
 def _collect(graph: fx.Graph, target: Any, config: PassConfig) -> list[_Bucket]:
     """Per-group buckets of annotated collectives, in order of each group's first collective."""
     buckets: dict[tuple, _Bucket] = {}
-    for node in graph.nodes:
-        if node.op != "call_function" or node.target is not target:
-            continue
+    for node in collective_nodes(graph, target):
         annotation = fsdp_annotation(node)
-        wait = _single_wait(node)
-        if annotation is None or wait is None or "fsdp_bucket" in annotation:
+        if annotation is None or BUCKET_KEY in annotation:
+            continue  # not FSDP's, or bucketed already
+        group = annotation[GROUP_KEY]
+        found = _member_and_key(node, group)
+        if found is None:
+            give_up(
+                "bucket", "%s %s of %s is not read through one wait; left per parameter",
+                COLLECTIVE_NAMES[target], node.name, group,
+            )
             continue
-        source = node.args[0]
-        if not isinstance(source, fx.Node) or "val" not in source.meta or "val" not in wait.meta:
-            continue
-        result = wait
-        if target is REDUCE_SCATTER:
-            reduce_op, world, group_name = node.args[1], node.args[2], node.args[3]
-            users = list(wait.users)
-            # HSDP: the reduced shard is all-reduced across replicas; bucket that too.
-            if len(users) == 1 and users[0].target is ALL_REDUCE and _single_wait(users[0]) is not None:
-                all_reduce = users[0]
-                result = _single_wait(all_reduce)
-                replicate = (all_reduce.args[1], all_reduce.args[2])
-            else:
-                replicate = None
-            key = (target, annotation["fsdp_group"], reduce_op, world, group_name, replicate, source.meta["val"].dtype)
-            numel = math.prod(_shape(wait))
-        else:
-            world, group_name = node.args[1], node.args[2]
-            key = (target, annotation["fsdp_group"], world, group_name, source.meta["val"].dtype)
-            numel = math.prod(_shape(source))
-        bucket = buckets.setdefault(key, _Bucket(key, [annotation["fsdp_group"]]))
-        bucket.members.append(_Member(node, wait, result, numel))
+        member, key = found
+        buckets.setdefault(key, _Bucket(key, [group])).members.append(member)
     ordered = list(buckets.values())
     if target is REDUCE_SCATTER:  # a reduce-scatter bucket goes out after its last gradient
         position = {n: i for i, n in enumerate(graph.nodes)}
@@ -183,7 +167,7 @@ def _hoist_above(node: fx.Node, anchor: fx.Node, position: dict[fx.Node, float])
     """Move ``node`` and the inputs it needs above ``anchor``; False if one of them cannot move."""
     if position[node] < position[anchor]:
         return True
-    if node.op != "call_function" or node.is_impure() or node.target in (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, WAIT):
+    if node.op != "call_function" or node.is_impure() or node.target in (*COLLECTIVES, WAIT):
         return False
     if not all(_hoist_above(i, anchor, position) for i in node.all_input_nodes):
         return False
@@ -196,7 +180,7 @@ def _bucket_all_gather(graph: fx.Graph, bucket: _Bucket) -> bool:
     position: dict[fx.Node, float] = {n: float(i) for i, n in enumerate(graph.nodes)}
     anchor = min((m.collective for m in bucket.members), key=position.__getitem__)
     if not all(_hoist_above(m.collective.args[0], anchor, position) for m in bucket.members):
-        log.warning("fsdp bucket: cannot bucket all-gathers of %s (inputs computed late); left per parameter", bucket.groups)
+        give_up("bucket", "cannot bucket all-gathers of %s (inputs computed late); left per parameter", bucket.groups)
         return False
     _, _, world, group_name, _ = bucket.key
     annotation = _bucket_annotation(bucket, "all_gather")
@@ -213,7 +197,7 @@ def _bucket_all_gather(graph: fx.Graph, bucket: _Bucket) -> bool:
             unsharded = _new_node(graph, _aten.reshape.default, (columns, list(_shape(member.wait))), annotation)
             # Pin the copy-out to the contiguous layout the per-parameter gather had: left free, Inductor
             # may lay it out for its consumer (a transposed mm operand) and change the GEMM's rounding.
-            unsharded = _new_node(graph, _FORCE_STRIDE, (unsharded, _contiguous_strides(_shape(member.wait))), annotation)
+            unsharded = _new_node(graph, FORCE_STRIDE, (unsharded, _contiguous_strides(_shape(member.wait))), annotation)
             offset += member.numel
             member.wait.replace_all_uses_with(unsharded)
     for member in bucket.members:
@@ -240,7 +224,7 @@ def _bucket_reduce_scatter(graph: fx.Graph, bucket: _Bucket) -> bool:
     old = [n for m in bucket.members for n in _chain(m)]
     dependents = _dependents(old) - set(old)
     if any(g in dependents for g in grads):
-        log.warning("fsdp bucket: gradients of %s depend on each other's reduction; left per parameter", bucket.groups)
+        give_up("bucket", "gradients of %s depend on each other's reduction; left per parameter", bucket.groups)
         return False
     _, _, reduce_op, world, group_name, replicate, _ = bucket.key
     annotation = _bucket_annotation(bucket, "reduce_scatter")

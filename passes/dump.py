@@ -2,11 +2,12 @@
 
 Not a rewrite: ``dump_graph(gm, kind, stage, config)`` writes ``<dir>/<n>-<kind>-<stage>.py`` (the
 readable graph) and ``<dir>/<n>-<kind>-<stage>.timeline.txt``, one line per collective or compute
-op in graph order, with the collectives in flight at that point::
+op in graph order (views and copies left out), with the collectives in flight just after it and
+their bytes, as the in-flight budget counts them (``graph.inflight_collectives``)::
 
-    12  issue  all_gather      layers.1   65536 B   in flight: layers.1
-    13  comp   mm                                   in flight: layers.1
-    14  wait   all_gather      layers.1             in flight: -
+    12  issue  all_gather      layers.1        65536 B   in flight: layers.1 (65536 B)
+    13  comp   mm                                         in flight: layers.1 (65536 B)
+    14  wait   all_gather      layers.1                   in flight: -
 """
 from __future__ import annotations
 
@@ -18,56 +19,52 @@ import torch
 import torch.fx as fx
 
 from fsdp_compile.config import PassConfig
-from fsdp_compile.passes.recompute import fsdp_annotation
+from fsdp_compile.passes.graph import (
+    COLLECTIVE_NAMES, GROUP_KEY, WAIT, fsdp_annotation, inflight_collectives, is_copy, is_view,
+)
 
-__all__ = ["dump_graph", "collective_timeline", "graph_kind"]
+__all__ = ["dump_graph", "collective_timeline"]
 
 _counter = itertools.count()
 _lock = threading.Lock()
-_COLLECTIVES = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter", "all_reduce": "all_reduce"}
-_VIEWS_AND_COPIES = ("view", "reshape", "slice", "getitem", "cat", "convert_element_type", "_to_copy", "t.default", "permute", "clone")
 
 
-def graph_kind(gm: fx.GraphModule) -> str:
-    """"backward" if the graph consumes a tangent or reduce-scatters, else "forward"."""
-    for node in gm.graph.nodes:
-        if node.op == "placeholder" and "tangents" in node.name:
-            return "backward"
-        if node.op == "call_function" and "reduce_scatter" in str(node.target):
-            return "backward"
-    return "forward"
+def _group(node: fx.Node) -> str:
+    return str((fsdp_annotation(node) or {}).get(GROUP_KEY, "-"))
 
 
-def _collective_name(node: fx.Node) -> str | None:
-    if node.op != "call_function" or not str(node.target).startswith("_c10d_functional."):
+def _op_name(node: fx.Node) -> str:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target.overloadpacket.__name__
+    return getattr(target, "__name__", str(target))
+
+
+def _event(node: fx.Node, flying: dict[fx.Node, int]) -> str | None:
+    """The timeline's text for ``node`` (issue / wait / comp), or None for what it leaves out."""
+    if node.op != "call_function":
         return None
-    return _COLLECTIVES.get(str(node.target).split(".")[1])
+    if node.target in COLLECTIVE_NAMES:
+        return f"issue  {COLLECTIVE_NAMES[node.target]:<15} {_group(node):<24} {flying[node]:>10} B"
+    if node.target is WAIT:
+        issued = node.args[0]
+        return f"wait   {COLLECTIVE_NAMES.get(getattr(issued, 'target', None), '?'):<15} {_group(issued):<24} {'':>12}"
+    if is_view(node) or is_copy(node):
+        return None
+    return f"comp   {_op_name(node):<15} {'':<24} {'':>12}"
 
 
 def collective_timeline(gm: fx.GraphModule) -> str:
-    """Collectives (issue / wait) and compute ops in graph order, with the collectives in flight."""
+    """Collectives (issue / wait) and compute ops in graph order, with the collectives in flight and
+    their bytes: the figures ``max_inflight_bytes`` bounds."""
     lines = []
-    in_flight: dict[fx.Node, str] = {}
-    for index, node in enumerate(gm.graph.nodes):
-        if node.op != "call_function":
+    for index, (node, flying) in enumerate(inflight_collectives(gm.graph)):
+        event = _event(node, flying)
+        if event is None:
             continue
-        name = _collective_name(node)
-        group = str((fsdp_annotation(node) or {}).get("fsdp_group", "-"))
-        if name is not None:
-            value = node.meta.get("val")
-            size = value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
-            in_flight[node] = group
-            event = f"issue  {name:<15} {group:<24} {size:>10} B"
-        elif "wait_tensor" in str(node.target):
-            issued = node.args[0]
-            in_flight.pop(issued, None)
-            event = f"wait   {_collective_name(issued) or '?':<15} {group:<24} {'':>12}"
-        elif any(part in str(node.target) for part in _VIEWS_AND_COPIES):
-            continue
-        else:
-            event = f"comp   {str(node.target).split('.')[-2] if '.' in str(node.target) else node.target!s:<15} {'':<24} {'':>12}"
-        flying = ", ".join(in_flight.values()) or "-"
-        lines.append(f"{index:5d}  {event}   in flight: {flying}")
+        groups = ", ".join(_group(c) for c in flying)
+        in_flight = f"{groups} ({sum(flying.values())} B)" if flying else "-"
+        lines.append(f"{index:5d}  {event}   in flight: {in_flight}")
     return "\n".join(lines) + "\n"
 
 

@@ -11,33 +11,22 @@ full parameter and replays the all-gather in backward::
 """
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-__all__ = ["tag_reshard_after_forward_for_recompute", "fsdp_annotation"]
+from fsdp_compile.passes.graph import RESHARD_AFTER_FORWARD_KEY, fsdp_annotation, is_tangent, is_view
+
+__all__ = ["tag_reshard_after_forward_for_recompute"]
 
 # One id for every tagged region: consecutive tagged nodes never force a save between them.
 _AC_GRAPH_ID = 1_000_000
-
-
-def fsdp_annotation(node: fx.Node) -> dict | None:
-    custom = node.meta.get("custom")
-    if isinstance(custom, dict) and custom.get("fsdp"):
-        return custom
-    return None
-
-
-def _is_view(node: fx.Node) -> bool:
-    target = node.target
-    return isinstance(target, torch._ops.OpOverload) and target.is_view
 
 
 def _backward_nodes(graph: fx.Graph) -> set[fx.Node]:
     """Nodes that depend on a tangent (the incoming gradient): the backward part of the joint graph."""
     backward: set[fx.Node] = set()
     for node in graph.nodes:
-        if node.op == "placeholder" and "tangents" in node.name:
+        if is_tangent(node):
             backward.add(node)
         elif any(isinstance(arg, fx.Node) and arg in backward for arg in node.all_input_nodes):
             backward.add(node)
@@ -52,14 +41,14 @@ def tag_reshard_after_forward_for_recompute(graph: fx.Graph) -> int:
         if node.op != "call_function" or node in backward:
             continue
         annotation = fsdp_annotation(node)
-        if annotation is not None and annotation.get("fsdp_reshard_after_forward"):
+        if annotation is not None and annotation.get(RESHARD_AFTER_FORWARD_KEY):
             tagged.append(node)
     frontier = list(tagged)
     seen = set(tagged)
     while frontier:  # views of the full parameter would otherwise be saved in its place
         node = frontier.pop()
         for user in node.users:
-            if user not in seen and user not in backward and _is_view(user):
+            if user not in seen and user not in backward and is_view(user):
                 seen.add(user)
                 tagged.append(user)
                 frontier.append(user)

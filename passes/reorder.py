@@ -26,12 +26,16 @@ backward: the re-gathers of recomputed groups, last block first)::
 so with ``k = 1`` group i+1's all-gather runs during group i's compute, and group i's
 reduce-scatter during group i-1's backward. ``k = 0`` keeps each collective next to its use.
 
-In flight means issued and not yet waited on; its bytes are the all-gather's output (the
-unsharded bucket) or the reduce-scatter's input (the unsharded gradients), the tensors that stay
-allocated until the wait. ``max_inflight_bytes`` bounds their sum at every point of the graph: a
-prefetch that does not fit is postponed (all-gathers keep their order, so later ones wait too),
-and before a collective that must issue now, the oldest collectives in flight are waited on
-until it fits. A single collective larger than the budget issues alone, at its use.
+In flight means issued and not yet waited on; its bytes are ``collective_bytes`` (graph.py): the
+all-gather's output (the unsharded bucket), the reduce-scatter's input (the unsharded gradients),
+the HSDP all-reduce's reduced shard, the tensors that stay allocated until the wait.
+``max_inflight_bytes`` bounds their sum at every point of the graph, as ``graph.inflight_bytes``
+counts it (and the dump timeline prints it): a prefetch that does not fit is postponed (all-gathers
+keep their order, so later ones wait too), and before a collective that must issue now, the
+oldest collectives in flight are waited on until it fits. A single collective larger than the
+budget issues alone, at its use. An HSDP all-reduce needs no room of its own: it issues in its
+reduce-scatter's wait block, right after that wait released the unsharded gradients, and holds
+a 1/world shard of them.
 
 Every decision reads only the graph and the config (no timings, no rank), so every rank builds
 the same schedule. ``fsdp_inductor`` also turns off Inductor's ``reorder_for_peak_memory`` while
@@ -39,33 +43,17 @@ this pass runs: that scheduler pass would otherwise move each all-gather back do
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
-from typing import Iterator
 
-import torch
 import torch.fx as fx
 
 from fsdp_compile.config import PassConfig
-from fsdp_compile.passes.bucket import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, WAIT
+from fsdp_compile.passes.graph import (
+    ALL_GATHER, ALL_REDUCE, COLLECTIVES, REDUCE_SCATTER, WAIT, collective_bytes, collective_nodes, give_up,
+    single_wait,
+)
 
-__all__ = ["reorder_collectives", "collective_bytes", "inflight_bytes", "max_inflight_bytes"]
-
-log = logging.getLogger(__name__)
-
-_ISSUES = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE)
-
-
-def _nbytes(node: fx.Node) -> int:
-    value = node.meta.get("val")
-    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
-
-
-def collective_bytes(collective: fx.Node) -> int:
-    """Bytes a collective keeps allocated until its wait: see [Note: the reorder schedule]."""
-    if collective.target is REDUCE_SCATTER and isinstance(collective.args[0], fx.Node):
-        return _nbytes(collective.args[0])
-    return _nbytes(collective)
+__all__ = ["reorder_collectives"]
 
 
 @dataclass(eq=False)  # identity: entries are looked up in lists
@@ -82,11 +70,11 @@ class _Collective:
 def _wait_block(collective: fx.Node, position: dict[fx.Node, int]) -> list[fx.Node] | None:
     """The wait and what is computed from its result alone (copy-out views, the gradient divide,
     an HSDP all-reduce and its wait), in graph order."""
-    waits = [user for user in collective.users if user.target is WAIT]
-    if len(waits) != 1 or len(collective.users) != 1:
+    wait = single_wait(collective)
+    if wait is None:
         return None
-    block = {waits[0]}
-    frontier = [waits[0]]
+    block = {wait}
+    frontier = [wait]
     while frontier:
         for user in frontier.pop().users:
             if user in block or user.op != "call_function" or user.target in (ALL_GATHER, REDUCE_SCATTER):
@@ -105,7 +93,7 @@ def _issue_block(all_gather: fx.Node, position: dict[fx.Node, int]) -> list[fx.N
     frontier = [all_gather]
     while frontier:
         for node in frontier.pop().all_input_nodes:
-            if node not in ancestors and node.op == "call_function" and not node.is_impure() and node.target not in (*_ISSUES, WAIT):
+            if node not in ancestors and node.op == "call_function" and not node.is_impure() and node.target not in (*COLLECTIVES, WAIT):
                 ancestors.add(node)
                 frontier.append(node)
     block = {all_gather}
@@ -120,9 +108,7 @@ def _collectives(graph: fx.Graph) -> list[_Collective] | None:
     found: list[_Collective] = []
     gathers = 0
     position = {node: i for i, node in enumerate(graph.nodes)}
-    for node in graph.nodes:
-        if node.op != "call_function" or node.target not in (ALL_GATHER, REDUCE_SCATTER):
-            continue
+    for node in sorted([*collective_nodes(graph, ALL_GATHER), *collective_nodes(graph, REDUCE_SCATTER)], key=position.__getitem__):
         wait_block = _wait_block(node, position)
         if wait_block is None:
             return None
@@ -143,7 +129,7 @@ def _input_only_nodes(graph: fx.Graph) -> set[fx.Node]:
         if node.op in ("placeholder", "get_attr"):
             free.add(node)
         elif (
-            node.op == "call_function" and not node.is_impure() and node.target not in (*_ISSUES, WAIT)
+            node.op == "call_function" and not node.is_impure() and node.target not in (*COLLECTIVES, WAIT)
             and all(i in free for i in node.all_input_nodes)
         ):
             free.add(node)
@@ -266,7 +252,7 @@ def reorder_collectives(gm: fx.GraphModule, config: PassConfig) -> fx.GraphModul
     graph = gm.graph
     collectives = _collectives(graph)
     if collectives is None:
-        log.warning("fsdp reorder: a collective's result is read other than through one wait; graph left in order")
+        give_up("reorder", "a collective's result is read other than through one wait; graph left in order")
         return gm
     if not collectives:
         return gm
@@ -280,19 +266,3 @@ def reorder_collectives(gm: fx.GraphModule, config: PassConfig) -> fx.GraphModul
     graph.lint()
     gm.recompile()
     return gm
-
-
-def inflight_bytes(graph: fx.Graph) -> Iterator[tuple[fx.Node, int]]:
-    """(node, bytes of collectives issued and not yet waited on just after it), in graph order."""
-    flying: dict[fx.Node, int] = {}
-    for node in graph.nodes:
-        if node.op == "call_function" and node.target in (ALL_GATHER, REDUCE_SCATTER):
-            flying[node] = collective_bytes(node)
-        elif node.op == "call_function" and node.target is WAIT:
-            flying.pop(node.args[0], None)
-        yield node, sum(flying.values())
-
-
-def max_inflight_bytes(graph: fx.Graph) -> int:
-    """The most bytes in flight at any point of ``graph`` (what ``max_inflight_bytes`` bounds)."""
-    return max((total for _, total in inflight_bytes(graph)), default=0)

@@ -7,7 +7,7 @@ import fsdp_compile
 from fsdp_compile.backend import observe_graphs
 from fsdp_compile.graph_check import collective_fingerprint
 from fsdp_compile.models import Transformer, TransformerConfig
-from fsdp_compile.passes.recompute import fsdp_annotation
+from fsdp_compile.passes.graph import GROUP_KEY, PARAM_KEY, fsdp_annotation, pass_counters
 
 CONFIG = TransformerConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=16)
 
@@ -48,9 +48,9 @@ def test_graphs_hold_one_all_gather_per_parameter_and_one_reduce_scatter_per_rea
     for node in gathers + scatters:
         annotation = fsdp_annotation(node)
         assert annotation is not None, node
-        assert annotation["fsdp_group"] in {"Transformer", "layers.0", "layers.1"}
-    gathered = {fsdp_annotation(n)["fsdp_param"] for n in gathers}
-    assert "layers.0" in {fsdp_annotation(n)["fsdp_group"] for n in gathers}
+        assert annotation[GROUP_KEY] in {"Transformer", "layers.0", "layers.1"}
+    gathered = {fsdp_annotation(n)[PARAM_KEY] for n in gathers}
+    assert "layers.0" in {fsdp_annotation(n)[GROUP_KEY] for n in gathers}
     assert {"tok_embeddings.weight", "attention.wq.weight", "feed_forward.w2.weight"} <= gathered
     assert all(n.args[1] == fake_world for n in gathers)  # group size argument
 
@@ -71,7 +71,7 @@ def _saved_all_gather_outputs(forward):
         annotation = fsdp_annotation(node) if node.op == "call_function" else None
         unsharded = ("all_gather", "wait_tensor", "slice", "narrow")  # the chain from the gather on
         if annotation is not None and any(name in str(node.target) for name in unsharded):
-            groups.append(annotation["fsdp_group"])
+            groups.append(annotation[GROUP_KEY])
     return groups
 
 
@@ -80,17 +80,20 @@ def test_reshard_after_forward_groups_re_all_gather_instead_of_saving(fake_world
     saved = _saved_all_gather_outputs(forward)
     # Blocks reshard after forward: nothing of theirs is saved, backward gathers them again.
     assert not [g for g in saved if g.startswith("layers.")]
-    regathered = {fsdp_annotation(n)["fsdp_group"] for n in _ops(backward, "all_gather_into_tensor")}
+    regathered = {fsdp_annotation(n)[GROUP_KEY] for n in _ops(backward, "all_gather_into_tensor")}
     assert regathered == {"layers.0", "layers.1"}
     # The root keeps its parameters (reshard_after_forward=None means False for the root): saved.
     assert "Transformer" in saved
+    # The default passes ran on these graphs (bucket, reorder) and took every group.
+    assert pass_counters["bucket.gave_up"] == pass_counters["reorder.gave_up"] == 0
 
 
 def test_root_with_reshard_after_forward_true_saves_nothing_unsharded(fake_world):
     _, forward, backward = _traced_graphs(reshard_root=True)
     assert _saved_all_gather_outputs(forward) == []
-    regathered = {fsdp_annotation(n)["fsdp_group"] for n in _ops(backward, "all_gather_into_tensor")}
+    regathered = {fsdp_annotation(n)[GROUP_KEY] for n in _ops(backward, "all_gather_into_tensor")}
     assert regathered == {"Transformer", "layers.0", "layers.1"}
+    assert pass_counters["bucket.gave_up"] == pass_counters["reorder.gave_up"] == 0
 
 
 def _graph(*ops: str, sub: torch.fx.GraphModule | None = None) -> torch.fx.GraphModule:

@@ -11,7 +11,7 @@ from benchmarks.cost_model import (
 )
 from fsdp_compile.config import PassConfig
 from fsdp_compile.models import Transformer, TransformerConfig
-from fsdp_compile.passes.bucket import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, WAIT
+from fsdp_compile.passes.graph import COLLECTIVES, WAIT
 
 CONFIG = TransformerConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=16)
 BATCH, SEQ = 2, 8
@@ -98,7 +98,7 @@ def test_schedule_has_one_issue_per_collective_and_one_wait_per_wait_node(fake_w
     for gm in _graphs(fake_world, passes):
         events = schedule_from_graph(gm)
         targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
-        collectives = sum(t in (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE) for t in targets)
+        collectives = sum(t in COLLECTIVES for t in targets)
         assert collectives > 0
         assert sum(isinstance(e, Issue) for e in events) == collectives
         waits = [e for e in events if isinstance(e, Wait)]

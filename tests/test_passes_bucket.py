@@ -1,16 +1,22 @@
 """passes/bucket.py on graphs traced with a fake process group (world 8 and 64), in one process."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp_compile
 from fsdp_compile.backend import observe_graphs
 from fsdp_compile.config import PassConfig
 from fsdp_compile.models import Transformer, TransformerConfig
-from fsdp_compile.passes.bucket import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, collective_nodes
-from fsdp_compile.passes.recompute import fsdp_annotation
+from fsdp_compile.passes.bucket import bucket_collectives
+from fsdp_compile.passes.reorder import reorder_collectives
+from fsdp_compile.passes.graph import (
+    ALL_GATHER, ALL_REDUCE, FSDP_ANNOTATION_KEY, GROUP_KEY, REDUCE_SCATTER, WAIT, collective_nodes, fsdp_annotation,
+    pass_counters,
+)
 
 CONFIG = TransformerConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=16)
 GROUPS = {"Transformer", "layers.0", "layers.1"}
@@ -39,7 +45,7 @@ def _graphs(passes: PassConfig, mp_policy=None, mesh=None):
 
 
 def _groups(nodes):
-    return [fsdp_annotation(n)["fsdp_group"] for n in nodes]
+    return [fsdp_annotation(n)[GROUP_KEY] for n in nodes]
 
 
 def test_bucketing_leaves_one_all_gather_and_one_reduce_scatter_per_group(fake_world):
@@ -50,6 +56,7 @@ def test_bucketing_leaves_one_all_gather_and_one_reduce_scatter_per_group(fake_w
     # Each reduce-scatter goes out after its group's last gradient: the root's (embedding) is last.
     assert _groups(collective_nodes(backward.graph, REDUCE_SCATTER)) == ["layers.1", "layers.0", "Transformer"]
     assert all(n.args[1] == fake_world for n in collective_nodes(forward.graph, ALL_GATHER))
+    assert pass_counters["bucket.gave_up"] == 0
 
 
 def test_bucketed_collectives_move_every_parameter_of_the_group(fake_world):
@@ -70,6 +77,7 @@ def test_mixed_precision_casts_feed_the_copy_in_per_parameter(fake_world):
         assert all(piece.meta["val"].numel() * fake_world < gather.meta["val"].numel() * 2 for piece in copy_in.args[0])
     for scatter in collective_nodes(backward.graph, REDUCE_SCATTER):
         assert scatter.args[0].meta["val"].dtype == torch.float32
+    assert pass_counters["bucket.gave_up"] == 0
 
 
 def test_merge_small_groups_under_a_byte_cap(fake_world):
@@ -79,9 +87,11 @@ def test_merge_small_groups_under_a_byte_cap(fake_world):
     assert len(collective_nodes(backward.graph, REDUCE_SCATTER)) == 1
     forward, _ = _graphs(PassConfig(reorder=False, merge_small_groups_bytes=1))
     assert len(collective_nodes(forward.graph, ALL_GATHER)) == 3
+    assert pass_counters["bucket.gave_up"] == 0
 
 
 def test_hsdp_all_reduces_are_bucketed_per_group():
+    pass_counters.clear()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
     torch._dynamo.reset()
     try:
@@ -94,6 +104,7 @@ def test_hsdp_all_reduces_are_bucketed_per_group():
         dist.destroy_process_group()
     assert len(collective_nodes(backward.graph, REDUCE_SCATTER)) == 3
     assert len(collective_nodes(backward.graph, ALL_REDUCE)) == 3
+    assert pass_counters["bucket.gave_up"] == 0
 
 
 def test_bucketing_yields_the_same_graph_every_time(fake_world):
@@ -101,3 +112,19 @@ def test_bucketing_yields_the_same_graph_every_time(fake_world):
     second, second_backward = _graphs(PassConfig(reorder=False))
     assert first.code == second.code
     assert first_backward.code == second_backward.code
+
+
+@pytest.mark.parametrize("name, run", [("bucket", bucket_collectives), ("reorder", reorder_collectives)])
+def test_a_pass_that_leaves_a_collective_alone_counts_it(name, run):
+    """The counters the tests assert to be zero do count: an annotated all-gather whose result is
+    also read past its wait can be neither bucketed nor moved."""
+    graph = fx.Graph()
+    gathered = graph.call_function(ALL_GATHER, (graph.placeholder("shard"), 8, "0"))
+    gathered.meta["custom"] = {FSDP_ANNOTATION_KEY: True, GROUP_KEY: "layers.0"}
+    graph.output((graph.call_function(WAIT, (gathered,)), gathered))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    before = gm.code
+    pass_counters.clear()
+    run(gm, PassConfig())
+    assert pass_counters[f"{name}.gave_up"] == 1
+    assert gm.code == before

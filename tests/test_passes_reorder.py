@@ -1,5 +1,6 @@
 """passes/reorder.py: the documented schedule, the in-flight budget, determinism, Inductor keeping
-the order, FSDP_COMPILE_DUMP, and numerics at world size 2 under non-default schedules."""
+the order, FSDP_COMPILE_DUMP and its timeline's figures, and numerics at world size 2 under
+non-default schedules."""
 from __future__ import annotations
 
 import re
@@ -10,9 +11,11 @@ import torch.fx as fx
 
 import fsdp_compile
 from fsdp_compile.config import PassConfig
-from fsdp_compile.passes.bucket import ALL_GATHER, REDUCE_SCATTER, WAIT, collective_nodes
-from fsdp_compile.passes.recompute import fsdp_annotation
-from fsdp_compile.passes.reorder import collective_bytes, inflight_bytes, max_inflight_bytes
+from fsdp_compile.passes.dump import collective_timeline
+from fsdp_compile.passes.graph import (
+    ALL_GATHER, ALL_REDUCE, COLLECTIVES, GROUP_KEY, REDUCE_SCATTER, WAIT, collective_bytes, collective_nodes,
+    fsdp_annotation, inflight_bytes, inflight_collectives, max_inflight_bytes, pass_counters,
+)
 from test_passes_bucket import CONFIG, _graphs
 
 _SHORT = {ALL_GATHER: "AG", REDUCE_SCATTER: "RS"}
@@ -21,9 +24,9 @@ _SHORT = {ALL_GATHER: "AG", REDUCE_SCATTER: "RS"}
 def _event(node: fx.Node) -> str | None:
     """"issue AG layers.0" / "wait RS Transformer" for a collective or its wait, else None."""
     if node.target in _SHORT:
-        return f"issue {_SHORT[node.target]} {fsdp_annotation(node)['fsdp_group']}"
+        return f"issue {_SHORT[node.target]} {fsdp_annotation(node)[GROUP_KEY]}"
     if node.target is WAIT and node.args[0].target in _SHORT:
-        return f"wait {_SHORT[node.args[0].target]} {fsdp_annotation(node.args[0])['fsdp_group']}"
+        return f"wait {_SHORT[node.args[0].target]} {fsdp_annotation(node.args[0])[GROUP_KEY]}"
     return None
 
 
@@ -55,6 +58,7 @@ def test_forward_prefetches_the_next_group_before_the_current_compute(fake_world
     # layers.1's gather is in flight during all of layers.0's matmuls (q, k, v, o, w1, w3, w2).
     assert _matmuls_between(forward.graph, "issue AG layers.1", "wait AG layers.1") == 7
     assert _matmuls_between(forward.graph, "wait AG layers.0", "issue AG layers.1") == 0
+    assert pass_counters["bucket.gave_up"] == pass_counters["reorder.gave_up"] == 0
 
 
 def test_backward_prefetches_regathers_and_waits_on_reduce_scatters_late(fake_world):
@@ -73,6 +77,7 @@ def test_backward_prefetches_regathers_and_waits_on_reduce_scatters_late(fake_wo
     last_wait = [n for n in backward.graph.nodes if n.target is WAIT][-1]
     between = list(backward.graph.nodes)[list(backward.graph.nodes).index(last_wait):]
     assert not any(n.target is torch.ops.aten.mm.default for n in between)
+    assert pass_counters["bucket.gave_up"] == pass_counters["reorder.gave_up"] == 0
 
 
 def test_depth_two_and_depth_zero(fake_world):
@@ -102,18 +107,17 @@ def test_inflight_bytes_never_exceed_the_budget(fake_world):
     for budget in (0, largest, largest + largest // 2, 2 * largest):
         forward, backward = _graphs(PassConfig(prefetch_depth=3, max_inflight_bytes=budget))
         for graph in (forward.graph, backward.graph):
-            flying: set[fx.Node] = set()
-            for node, total in inflight_bytes(graph):
-                if node.target in (ALL_GATHER, REDUCE_SCATTER):
-                    flying.add(node)
-                elif node.target is WAIT:
-                    flying.discard(node.args[0])
-                # A single collective larger than the budget may fly, alone.
-                assert total <= budget or len(flying) == 1, (budget, node.name, total)
+            _assert_within_budget(graph, budget)
         if budget < 2 * _largest_collective(forward.graph):
             # At most one gathered bucket in flight: layers.1 is not prefetched over layers.0's wait.
             events = _events(forward.graph)
             assert events.index("issue AG layers.1") > events.index("wait AG layers.0")
+
+
+def _assert_within_budget(graph: fx.Graph, budget: int) -> None:
+    for node, flying in inflight_collectives(graph):
+        # A single collective larger than the budget may fly, alone.
+        assert sum(flying.values()) <= budget or len(flying) == 1, (budget, node.name, flying)
 
 
 def test_the_same_graph_yields_the_same_schedule(fake_world):
@@ -124,23 +128,70 @@ def test_the_same_graph_yields_the_same_schedule(fake_world):
     assert first_backward.code == second_backward.code
 
 
-def test_hsdp_schedule_keeps_each_all_reduce_behind_its_reduce_scatter():
+def _hsdp_graphs(passes: PassConfig):
+    """(forward, backward) on a 2 x 4 (replicate, shard) mesh of 8 fake ranks, give-up counters cleared."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    pass_counters.clear()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
     torch._dynamo.reset()
     try:
         mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("replicate", "shard"))
-        _, backward = _graphs(PassConfig(prefetch_depth=1), mesh=mesh)
+        return _graphs(passes, mesh=mesh)
     finally:
         torch._dynamo.reset()
         dist.destroy_process_group()
+
+
+def test_hsdp_schedule_keeps_each_all_reduce_behind_its_reduce_scatter():
+    _, backward = _hsdp_graphs(PassConfig(prefetch_depth=1))
     nodes = list(backward.graph.nodes)
     for scatter in collective_nodes(backward.graph, REDUCE_SCATTER):
         wait = next(iter(scatter.users))
-        all_reduce = next(u for u in wait.users if u.target is torch.ops._c10d_functional.all_reduce.default)
+        all_reduce = next(u for u in wait.users if u.target is ALL_REDUCE)
         assert nodes.index(all_reduce) == nodes.index(wait) + 1
+    assert pass_counters["bucket.gave_up"] == pass_counters["reorder.gave_up"] == 0
+
+
+def test_hsdp_all_reduces_count_against_the_budget():
+    _, unbounded = _hsdp_graphs(PassConfig(prefetch_depth=3))
+    # The all-reduces are in flight, and counted: at each one's issue the total includes its bytes.
+    totals = dict(inflight_bytes(unbounded.graph))
+    all_reduces = collective_nodes(unbounded.graph, ALL_REDUCE)
+    assert all_reduces and all(totals[n] >= collective_bytes(n) > 0 for n in all_reduces)
+    budget = _largest_collective(unbounded.graph)
+    _, backward = _hsdp_graphs(PassConfig(prefetch_depth=3, max_inflight_bytes=budget))
+    _assert_within_budget(backward.graph, budget)
+    assert max_inflight_bytes(backward.graph) < max_inflight_bytes(unbounded.graph)
+
+
+def _timeline_figures(gm: fx.GraphModule):
+    """(node, bytes its issue line prints or None, in-flight total printed) per line of its timeline."""
+    nodes = list(gm.graph.nodes)
+    for line in collective_timeline(gm).splitlines():
+        issued = re.search(r" issue\s+\S+\s+\S+\s+(\d+) B ", line)
+        total = re.search(r"in flight: .*\((\d+) B\)$", line)
+        yield nodes[int(line.split()[0])], int(issued.group(1)) if issued else None, int(total.group(1)) if total else 0
+
+
+def test_timeline_prints_the_bytes_the_budget_counts():
+    """HSDP, bucketed: all-gathers, reduce-scatters and all-reduces each print ``collective_bytes``,
+    and every line's in-flight total is ``inflight_bytes`` at that node."""
+    forward, backward = _hsdp_graphs(PassConfig(prefetch_depth=1))
+    for gm in (forward, backward):
+        totals = dict(inflight_bytes(gm.graph))
+        printed = {}
+        for node, issued, total in _timeline_figures(gm):
+            assert total == totals[node], node.name
+            if issued is not None:
+                printed[node] = issued
+        collectives = [n for n in gm.graph.nodes if n.target in COLLECTIVES]
+        assert printed == {n: collective_bytes(n) for n in collectives}
+    # A reduce-scatter prints what it holds until its wait: its input, world (4) times its output.
+    scatter = collective_nodes(backward.graph, REDUCE_SCATTER)[0]
+    assert printed[scatter] == 4 * scatter.meta["val"].numel() * scatter.meta["val"].element_size()
+    assert collective_nodes(backward.graph, ALL_REDUCE)[0] in printed
 
 
 def test_inductor_keeps_the_prefetch_order():

@@ -1,0 +1,30 @@
+"""Keys of the FSDP annotation that traced nodes carry in ``node.meta["custom"]``.
+
+``fsdp_compile.traceable`` writes the per-parameter keys on every node of a parameter's traced
+unshard; ``passes/bucket.py`` writes all of them on the nodes of a bucket. The passes read them
+through ``fsdp_compile.passes.graph`` (which re-exports these names). The keys live in a module of
+their own because traceable.py is imported before ``fsdp_compile.passes`` can be (a source
+checkout maps ``passes/`` in late, see ``_find_checkout_passes``).
+
+Example::
+
+    {FSDP_ANNOTATION_KEY: True, GROUP_KEY: "layers.0", PARAM_KEY: "attention.wq.weight",
+     RESHARD_AFTER_FORWARD_KEY: True}
+"""
+from __future__ import annotations
+
+__all__ = [
+    "FSDP_ANNOTATION_KEY", "GROUP_KEY", "PARAM_KEY", "RESHARD_AFTER_FORWARD_KEY",
+    "BUCKET_KEY", "GROUPS_KEY", "PARAMS_KEY",
+]
+
+# Per parameter (traceable.py).
+FSDP_ANNOTATION_KEY = "fsdp"  # True: the tag that makes a node an FSDP node
+GROUP_KEY = "fsdp_group"  # the fully_shard group's label; a merged bucket's labels joined by "+"
+PARAM_KEY = "fsdp_param"  # the parameter's FQN in its module
+RESHARD_AFTER_FORWARD_KEY = "fsdp_reshard_after_forward"
+
+# Per bucket (passes/bucket.py), beside the keys above.
+BUCKET_KEY = "fsdp_bucket"  # "all_gather" | "reduce_scatter": present once a node is bucketed
+GROUPS_KEY = "fsdp_groups"  # the group labels in the bucket, in order
+PARAMS_KEY = "fsdp_params"  # the parameter FQNs in the bucket, in copy-in order

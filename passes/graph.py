@@ -1,0 +1,182 @@
+"""The graph vocabulary every pass shares: what an FSDP collective is, how its annotation reads,
+which graph a pass is looking at, which ops are views or copies, how many bytes a collective keeps
+allocated, and how a pass says it gave up.
+
+recompute, bucket, reorder, dump and ``benchmarks/cost_model.py`` import these from here, so a
+collective's bytes in the dump timeline are the bytes the in-flight budget counts and the bytes
+the cost model sends over the wire::
+
+    for node, flying in inflight_collectives(gm.graph):   # flying: {collective: collective_bytes}
+        ...
+    max_inflight_bytes(gm.graph)                          # what PassConfig.max_inflight_bytes bounds
+"""
+from __future__ import annotations
+
+import logging
+import operator
+from collections import Counter
+from typing import Any, Iterator
+
+import torch
+import torch.fx as fx
+
+from fsdp_compile.annotations import (
+    BUCKET_KEY, FSDP_ANNOTATION_KEY, GROUP_KEY, GROUPS_KEY, PARAM_KEY, PARAMS_KEY, RESHARD_AFTER_FORWARD_KEY,
+)
+
+__all__ = [
+    "FSDP_ANNOTATION_KEY", "GROUP_KEY", "PARAM_KEY", "RESHARD_AFTER_FORWARD_KEY", "BUCKET_KEY", "GROUPS_KEY", "PARAMS_KEY",
+    "ALL_GATHER", "REDUCE_SCATTER", "ALL_REDUCE", "WAIT", "COLLECTIVES", "COLLECTIVE_NAMES", "FORCE_STRIDE",
+    "collective_nodes", "single_wait", "fsdp_annotation", "is_tangent", "graph_kind", "is_view", "is_copy",
+    "tensor_bytes", "collective_bytes", "inflight_collectives", "inflight_bytes", "max_inflight_bytes",
+    "pass_counters", "give_up",
+]
+
+_c10d = torch.ops._c10d_functional
+_aten = torch.ops.aten
+ALL_GATHER = _c10d.all_gather_into_tensor.default
+REDUCE_SCATTER = _c10d.reduce_scatter_tensor.default
+ALL_REDUCE = _c10d.all_reduce.default  # HSDP: the reduced shard across replicas
+WAIT = _c10d.wait_tensor.default
+COLLECTIVES = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE)  # what issues work that a WAIT completes
+COLLECTIVE_NAMES = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_REDUCE: "all_reduce"}
+
+
+def _force_stride_op() -> Any:
+    import torch._inductor.inductor_prims as inductor_prims
+
+    return inductor_prims.force_stride_order
+
+
+FORCE_STRIDE = _force_stride_op()  # bucket.py pins a copy-out's layout with it
+
+
+# --- Nodes ---------------------------------------------------------------------------------------
+
+
+def collective_nodes(graph: fx.Graph, target: Any) -> list[fx.Node]:
+    """The ``call_function`` nodes of ``target`` (e.g. ``ALL_GATHER``), in graph order."""
+    return graph.find_nodes(op="call_function", target=target)
+
+
+def single_wait(collective: fx.Node) -> fx.Node | None:
+    """The one ``wait_tensor`` that reads ``collective``, or None if its result is read any other way:
+    traceable.py emits each collective so, and the passes move a collective only with its wait."""
+    users = list(collective.users)
+    if len(users) == 1 and users[0].target is WAIT:
+        return users[0]
+    return None
+
+
+def fsdp_annotation(node: fx.Node) -> dict | None:
+    """The FSDP annotation of ``node`` (keys in ``fsdp_compile.annotations``), or None if it has none."""
+    custom = node.meta.get("custom")
+    if isinstance(custom, dict) and custom.get(FSDP_ANNOTATION_KEY):
+        return custom
+    return None
+
+
+def is_tangent(node: fx.Node) -> bool:
+    """An incoming gradient of an AOTAutograd graph; AOTAutograd itself tells them by the placeholder's
+    target (``torch._functorch._aot_autograd.utils._is_tangent``), so this is its contract, not a guess."""
+    return node.op == "placeholder" and "tangents" in str(node.target)
+
+
+def graph_kind(gm: fx.GraphModule) -> str:
+    """"backward" if the graph consumes a tangent or reduce-scatters, else "forward"."""
+    graph = gm.graph
+    if any(is_tangent(node) for node in graph.find_nodes(op="placeholder")):
+        return "backward"
+    return "backward" if collective_nodes(graph, REDUCE_SCATTER) else "forward"
+
+
+# Reshapes that allocate nothing, though the op schema does not mark them as aliasing.
+_ALSO_VIEWS = {_aten._unsafe_view.default}
+# Ops that only move, pad or re-type data (a bucket's copy-in and copy-out), computing nothing.
+_COPIES = {
+    _aten.cat.default, _aten.clone.default, _aten._to_copy.default, _aten.constant_pad_nd.default,
+    _aten.slice_backward.default, torch.ops.prims.convert_element_type.default, FORCE_STRIDE,
+}
+
+
+def is_view(node: fx.Node) -> bool:
+    """An op whose output shares its input's storage: it costs no bytes and saves none."""
+    target = node.target
+    if target is operator.getitem:
+        return True
+    return isinstance(target, torch._ops.OpOverload) and (target.is_view or target in _ALSO_VIEWS)
+
+
+def is_copy(node: fx.Node) -> bool:
+    """An op that moves data without computing on it (cat, pad, cast, layout pin)."""
+    return node.target in _COPIES
+
+
+# --- Bytes ---------------------------------------------------------------------------------------
+
+
+def tensor_bytes(value: Any) -> int:
+    """Bytes of a fake tensor (``node.meta["val"]``), or of the tensors in a tuple or list of them."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (tuple, list)):
+        return sum(tensor_bytes(v) for v in value)
+    return 0
+
+
+def collective_bytes(collective: fx.Node) -> int:
+    """Bytes a collective keeps allocated until its wait: an all-gather's output (the unsharded
+    bucket), a reduce-scatter's input (the unsharded gradients), an all-reduce's tensor.
+
+    The in-flight budget, the dump timeline and the cost model all count these.
+    """
+    if collective.target is REDUCE_SCATTER and isinstance(collective.args[0], fx.Node):
+        return tensor_bytes(collective.args[0].meta.get("val"))
+    return tensor_bytes(collective.meta.get("val"))
+
+
+def inflight_collectives(graph: fx.Graph) -> Iterator[tuple[fx.Node, dict[fx.Node, int]]]:
+    """(node, {collective: collective_bytes} issued and not yet waited on just after it), in graph order.
+
+    Every collective counts, the HSDP all-reduce included. The dict is a fresh copy per node.
+    """
+    flying: dict[fx.Node, int] = {}
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in COLLECTIVES:
+            flying[node] = collective_bytes(node)
+        elif node.op == "call_function" and node.target is WAIT:
+            flying.pop(node.args[0], None)
+        yield node, dict(flying)
+
+
+def inflight_bytes(graph: fx.Graph) -> Iterator[tuple[fx.Node, int]]:
+    """(node, bytes of collectives issued and not yet waited on just after it), in graph order."""
+    for node, flying in inflight_collectives(graph):
+        yield node, sum(flying.values())
+
+
+def max_inflight_bytes(graph: fx.Graph) -> int:
+    """The most bytes in flight at any point of ``graph`` (what ``PassConfig.max_inflight_bytes`` bounds)."""
+    return max((total for _, total in inflight_bytes(graph)), default=0)
+
+
+# --- Giving up -----------------------------------------------------------------------------------
+
+# [Note: a pass that gives up]
+# A pass that cannot rewrite (part of) a graph leaves it as it found it: the result is still
+# correct, only slower. So that this never goes unnoticed, each such place calls ``give_up``,
+# which logs why and counts it in ``pass_counters["<pass>.gave_up"]`` (a process-wide tally, as
+# Inductor's ``torch._dynamo.utils.counters``); the pass tests assert it stays zero on the
+# models we ship.
+pass_counters: Counter[str] = Counter()
+
+
+def give_up(pass_name: str, reason: str, *args: Any) -> None:
+    """Count and log that ``pass_name`` left (part of) a graph alone; see [Note: a pass that gives up].
+
+    Example::
+
+        give_up("bucket", "gradients of %s depend on each other's reduction; left per parameter", groups)
+    """
+    pass_counters[f"{pass_name}.gave_up"] += 1
+    logging.getLogger(f"fsdp_compile.passes.{pass_name}").warning(f"fsdp {pass_name}: {reason}", *args)
