@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, Iterator, Sequence
 
+import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
@@ -135,16 +136,24 @@ def fsdp_inductor_with(passes: Any) -> Callable[..., Any]:
     return backend
 
 
-def refuse_all_gather_extensions(gm: fx.GraphModule) -> None:
-    """The traced unshard gathers the shard itself: a parameter whose local shard defines FSDP2's
-    all-gather extension (``fsdp_pre_all_gather``) would silently lose it, so it is refused."""
+def admit_traced_parameters(gm: fx.GraphModule) -> None:
+    """Before compiling a graph: every live fully_shard state whose parameters it reads learns that
+    its model runs compiled (so an eager call into the model later initializes from the root
+    instead of failing), and a parameter the graph cannot serve is refused.
+
+    Refused: a local shard with FSDP2's all-gather extension (``fsdp_pre_all_gather``): the traced
+    unshard gathers the shard itself and would silently lose the extension.
+    """
     from fsdp_compile.passes.graph import GROUP_KEY, PARAM_KEY, fsdp_annotation
     from fsdp_compile.state import live_states
 
     traced = {(a[GROUP_KEY], a[PARAM_KEY]) for node in gm.graph.nodes if (a := fsdp_annotation(node)) is not None}
     for state in live_states():
         for fsdp_param in state.group.fsdp_params if state.group is not None else ():
-            if (state.group.label, fsdp_param.fqn) in traced and fsdp_param.uses_all_gather_extension:
+            if (state.group.label, fsdp_param.fqn) not in traced:
+                continue
+            state.outermost().runs_compiled = True
+            if fsdp_param.uses_all_gather_extension:
                 raise NotImplementedError(
                     f"fsdp_inductor: '{fsdp_param.fqn}' (group '{state.group.label}') has an all-gather extension "
                     "(fsdp_pre_all_gather / fsdp_post_all_gather), which the compiled graph does not run. Train it "
@@ -156,7 +165,7 @@ def _compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], pa
     from torch._inductor.compile_fx import compile_fx
 
     check_collectives_match_across_ranks(gm)
-    refuse_all_gather_extensions(gm)
+    admit_traced_parameters(gm)
     pass_config = passes.resolved()
     config_patches = {
         "joint_custom_pre_pass": _RecomputeReshardedParams(),
@@ -167,7 +176,28 @@ def _compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], pa
         # Pins our collective placement: Inductor's peak-memory reordering would sink each
         # prefetched all-gather back down to its use (see passes/reorder.py).
         config_patches["reorder_for_peak_memory"] = False
+    if _has_nested_regions(gm):
+        # See [Note: Inductor's buffer reuse across nested regions].
+        config_patches["allow_buffer_reuse"] = False
     return compile_fx(gm, example_inputs, config_patches=config_patches)
+
+
+# [Note: Inductor's buffer reuse across nested regions]
+# torch 2.13's Inductor (CPU seen) computes a wrong gradient when a graph calls one nested compile
+# region three or more times with bfloat16 or float16 inputs: the first call's weight gradient
+# comes out wrong by up to 0.2 (aot_eager is exact; fp32 is exact). Reproducer:
+#     region = torch.compiler.nested_compile_region(lambda w, x: x + torch.tanh(F.linear(x, w)))
+#     x = x32.bfloat16(); for w in (w1, w2, w3): x = region(w.bfloat16(), x)
+#     x.float().pow(2).mean().backward()      # w1.grad is wrong under backend="inductor"
+# Turning off Inductor's buffer reuse makes it exact. Dead buffers are still freed as soon as they
+# die, so the caching allocator reuses their memory: what is lost is allocation churn, not peak
+# memory. Only graphs holding nested regions (compile_blocks_once) get the patch.
+
+
+def _has_nested_regions(gm: fx.GraphModule) -> bool:
+    invoke_subgraph = torch.ops.higher_order.invoke_subgraph
+    graphs = [module.graph for module in gm.modules() if isinstance(module, fx.GraphModule)]
+    return any(node.op == "call_function" and node.target is invoke_subgraph for graph in graphs for node in graph.nodes)
 
 
 def _inductor_comm_passes_off() -> dict[str, Any]:
@@ -198,7 +228,7 @@ def fsdp_aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: 
     from fsdp_compile.passes import apply_post_grad_passes
 
     check_collectives_match_across_ranks(gm)
-    refuse_all_gather_extensions(gm)
+    admit_traced_parameters(gm)
     pass_config = config.passes.resolved()
 
     def partition(joint: fx.GraphModule, joint_inputs: Any, **partition_kwargs: Any) -> Any:

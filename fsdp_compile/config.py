@@ -7,7 +7,7 @@ Set them as module attributes before the code they affect runs::
 """
 from __future__ import annotations
 
-__all__ = ["skip_fsdp_hooks", "graph_check_timeout_s"]
+__all__ = ["skip_fsdp_hooks", "graph_check_timeout_s", "compile_blocks_once"]
 
 # Under torch.compile, run the FSDP hooks eagerly between compiled regions (graph breaks)
 # instead of tracing collectives into the graph. Numerics equal the eager runtime.
@@ -16,6 +16,11 @@ skip_fsdp_hooks: bool = False
 # How long a rank that compiled a graph with new collectives waits (in the store, not in a
 # collective) for the other ranks to compile the same; see [Note: cross-rank graph check].
 graph_check_timeout_s: float = 300.0
+
+# Under fsdp_inductor, compile the body of structurally identical fully_shard blocks once and reuse
+# it (a nested compile region per block; see [Note: compile once per block] in module.py). False:
+# every block is traced and compiled inline, as one graph.
+compile_blocks_once: bool = True
 
 
 # --- Graph passes of backend="fsdp_inductor" / "fsdp_aot_eager" (DESIGN.md section 5) ---------------

@@ -45,7 +45,10 @@ def _collective_calls(gm: fx.GraphModule) -> list[str]:
         elif node.op == "call_function" and _is_functional_collective(node.target):
             name = getattr(node.target, "__name__", str(node.target))
             if not name.startswith("wait_tensor"):
-                constants = [repr(a) for a in node.args if not isinstance(a, (fx.Node, list, tuple))]
+                # The process group's name comes last; ranks in different shard or replica groups
+                # (HSDP) legitimately name different groups of the same size.
+                args = node.args[:-1] if node.args and isinstance(node.args[-1], str) else node.args
+                constants = [repr(a) for a in args if not isinstance(a, (fx.Node, list, tuple))]
                 label = (node.meta.get("custom") or {}).get(GROUP_KEY, "")
                 calls.append(f"{name}({', '.join(constants)}) group={label}")
     return calls

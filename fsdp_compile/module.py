@@ -12,8 +12,10 @@ from fsdp_compile.mesh import MeshInfo, default_mesh, mesh_device, mesh_info_for
 from fsdp_compile.param import FSDPParam, ParamRef
 from fsdp_compile.param_group import FSDPParamGroup
 from fsdp_compile.state import FSDPState, all_states_under, state_of
+from fsdp_compile.structures import map_tensors
 from fsdp_compile.state_dict import register_state_dict_hooks
-from fsdp_compile.traceable import install_traced_param_access
+from fsdp_compile import config
+from fsdp_compile.traceable import BOUND_PARAMS_ATTR, install_traced_param_access
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle"]
 
@@ -45,6 +47,39 @@ class FSDPModule:
         instance = original.__new__(original) if original.__new__ is object.__new__ else original.__new__(original, *args, **kwargs)
         instance.__init__(*args, **kwargs)
         return instance
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # See [Note: compile once per block].
+        if torch.compiler.is_compiling() and not config.skip_fsdp_hooks:
+            state = self._fsdp_state()
+            if state.compiles_as_region:
+                unsharded = [state.traced_unshard(fsdp_param) for fsdp_param in state.group.fsdp_params]
+                return _block_region(self, unsharded, args, kwargs)
+        return super().forward(*args, **kwargs)  # type: ignore[misc]
+
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """``module.compile(...)`` (``torch.compile``'s arguments).
+
+        On the root (the whole model): compiled as one graph, with the all-gathers and
+        reduce-scatters in it and a nested compile region per block (see
+        [Note: compile once per block]). On a block (torchtitan's per-block recipe,
+        ``for block in model.layers: block.compile(backend="fsdp_inductor")``): the block's forward
+        is compiled alone and its FSDP hooks run eagerly around it, as with PyTorch FSDP2, so
+        nothing in the graph tells blocks apart and every identical block shares one graph.
+
+        Example::
+
+            for block in model.layers:
+                fully_shard(block)
+                block.compile(backend="fsdp_inductor")
+            fully_shard(model)
+        """
+        state = self._fsdp_state()
+        if not state.has_outer:
+            super().compile(*args, **kwargs)  # type: ignore[misc]
+            return
+        state.per_block_compiled = True
+        self.__dict__["forward"] = torch.compile(type(self).forward.__get__(self), *args, **kwargs)
 
     def __deepcopy__(self, memo: dict) -> Any:
         raise RuntimeError(
@@ -163,6 +198,37 @@ class FSDPModule:
         return result
 
 
+def _run_block_with(module: nn.Module, unsharded: list[torch.Tensor], args: tuple, kwargs: dict) -> Any:
+    """The block's own forward, with its parameter reads returning ``unsharded`` (see the note)."""
+    module.__dict__[BOUND_PARAMS_ATTR] = unsharded
+    output = super(FSDPModule, module).forward(*args, **kwargs)  # type: ignore[misc]
+    module.__dict__[BOUND_PARAMS_ATTR] = None
+    # A region may not return its inputs or views of them (a residual passed through, a skip
+    # connection in a returned structure): fresh outputs, which Inductor writes in the producing
+    # kernel rather than as a separate copy where it can.
+    return map_tensors(torch.clone, output)
+
+
+# [Note: compile once per block]
+# A whole-model torch.compile would trace every block into one graph and compile each block's
+# kernels again. Instead, the forward of a block (a fully_shard module with an enclosing one and
+# none inside it) is a nested compile region (torch.compiler.nested_compile_region): Dynamo traces
+# its body once, and every structurally identical block reuses it (invoke_subgraph), through
+# AOTAutograd and Inductor. The block's all-gathers stay in the outer graph: the block forward
+# first traces each parameter's unshard (annotated all-gather) there, then calls the region with
+# the unsharded parameters as inputs; inside, the parameter reads return those inputs (the bound
+# list on the module). So the region holds no collective and nothing that tells blocks apart, and
+# the graph passes still bucket and reorder every all-gather and reduce-scatter across blocks.
+#
+# Only blocks that keep their parameters after forward (reshard_after_forward=False) get a region:
+# AOTAutograd saves a region's tensor inputs that its backward needs, so a region would keep every
+# unsharded parameter alive until backward, which is what such a block does anyway but would undo
+# a resharding block's re-all-gather in backward (torch 2.13; measured by the saved values in
+# tests/test_compile_blocks.py). Resharding blocks are traced inline; per-block compile
+# (FSDPModule.compile) shares one graph between identical blocks in either case.
+_block_region = torch.compiler.nested_compile_region(_run_block_with)
+
+
 def _user_class(cls: type) -> type:
     """The class the user wrote, under our FSDP class and our traced-parameter class."""
     for klass in cls.__mro__:
@@ -278,6 +344,8 @@ def fully_shard(
     states = all_states_under(modules)
     for inner in states:
         inner.outer = None if inner is state else state
+        inner.has_outer = inner.outer is not None
+        inner.is_leaf = len(all_states_under(inner.modules)) == 1
     _label_groups(modules)
     for m in modules:
         cls = type(m)

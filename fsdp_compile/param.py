@@ -88,6 +88,7 @@ class FSDPParam:
         self.sharded_param = self._make_sharded_param(param)
         self._unsharded_param: nn.Parameter | None = None
         self.post_forward_shard: torch.Tensor | None = None
+        self.index_in_group = 0  # its position in its group (set by the group)
         # All-gather extensions: see [Note: all-gather extensions].
         self._extension_metadata: Any = None
         self._extension_outputs: list[torch.Tensor] = []

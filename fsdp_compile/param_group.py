@@ -57,6 +57,8 @@ class FSDPParamGroup:
         reshard_after_forward: bool,
     ) -> None:
         self.fsdp_params = fsdp_params
+        for index, fsdp_param in enumerate(fsdp_params):
+            fsdp_param.index_in_group = index
         self.modules = modules
         self.label = label
         self.mesh_info = mesh_info
@@ -266,16 +268,17 @@ class FSDPParamGroup:
         # The copy-out writes each shard in the dim-0 view on the device: straight into the gradient
         # when that is where it lives, else into a temporary moved in afterwards (CPU offload, a
         # parameter sharded on a dim > 0).
+        # A temporary starts at zero when accumulating, so one accumulating copy-out serves both kinds.
+        new_temporary = torch.zeros if accumulate else torch.empty
         targets = [
             out if out.device == self.device and p.layout.dim == 0
-            else torch.empty(p.layout.dim0_shape(tuple(out.shape)), dtype=out.dtype, device=self.device)
+            else new_temporary(p.layout.dim0_shape(tuple(out.shape)), dtype=out.dtype, device=self.device)
             for p, out in zip(params, outs)
         ]
         with torch.no_grad():
-            # Identity, not ``==``: a tuple compare would fall back to elementwise tensor equality.
-            all_direct = all(target is out for target, out in zip(targets, outs))
-            ops.reduce_scatter_copy_out(reduced, padded, targets, spec.post_divide, accumulate and all_direct)
+            ops.reduce_scatter_copy_out(reduced, padded, targets, spec.post_divide, accumulate)
             for fsdp_param, out, target in zip(params, outs, targets):
+                # Identity, not ``==``: a compare would fall back to elementwise tensor equality.
                 if target is not out:
                     value = fsdp_param.layout.from_dim0(target).to(out.device)
                     out.add_(value) if accumulate else out.copy_(value)

@@ -23,7 +23,7 @@ from fsdp_compile.api import BackwardPrefetch, MixedPrecisionPolicy
 from fsdp_compile.comm_context import CommContext
 from fsdp_compile.param_group import FSDPParamGroup, TrainingState
 from fsdp_compile.structures import map_tensors, tensors_in
-from fsdp_compile.traceable import trace_annotation, unshard_for_trace
+from fsdp_compile.traceable import BOUND_PARAMS_ATTR, trace_annotation, unshard_for_trace
 
 if TYPE_CHECKING:
     from fsdp_compile.param import FSDPParam
@@ -117,6 +117,15 @@ class FSDPState:
         # Known without running forward, which the compiled path needs (it never runs the eager
         # lazy init).
         self.outer: FSDPState | None = None
+        # Set by fsdp_inductor on the root when a graph reading the model's parameters compiles.
+        self.runs_compiled = False
+        # Structure flags the compiled path reads (see compiles_as_region), set by fully_shard.
+        self.has_outer = False
+        self.is_leaf = True  # no fully_shard module inside
+        self.has_group = group is not None
+        self.single_module = len(modules) == 1
+        # block.compile(): the forward compiled alone, the hooks eager around it (FSDPModule.compile).
+        self.per_block_compiled = False
         self.root_ctx: _RootContext | None = None
         self.training_state = TrainingState.IDLE
         self.forward_prefetch: list[FSDPState] | None = None
@@ -148,13 +157,33 @@ class FSDPState:
         """Whether the group frees its parameters after forward; the compiled path reads it at trace
         time (it never runs the eager lazy init, which settles the default for the root)."""
         if self.auto_reshard_after_forward:
-            return self.outer is not None  # the root keeps its parameters, as in eager
+            return self.has_outer  # the root keeps its parameters, as in eager
         return self.group is not None and self.group.reshard_after_forward
+
+    @property
+    def compiles_as_region(self) -> bool:
+        """Whether this module's forward is a nested compile region: a block with an enclosing
+        fully_shard module, no fully_shard module inside, one module in its group, and keeping its
+        parameters after forward (see [Note: compile once per block] in module.py)."""
+        # Plain flags set by fully_shard: read under Dynamo, they guard on values that are the same
+        # for every block, never on a block's identity (per-block compile shares one graph).
+        return (
+            config.compile_blocks_once and self.has_group and self.has_outer and self.single_module and self.is_leaf
+            and not self.per_block_compiled and not self.reshards_after_forward
+        )
+
+    def bound_params(self) -> list[torch.Tensor] | None:
+        """The unsharded parameters a block's nested compile region runs with, while it runs
+        (traced, or eagerly when Dynamo fell back on the region's body)."""
+        return self.modules[0].__dict__.get(BOUND_PARAMS_ATTR)
 
     def traced_unshard(self, fsdp_param: "FSDPParam") -> torch.Tensor:
         """What a read of ``fsdp_param`` traces to under torch.compile; see traceable.py."""
         group = self.group
         assert group is not None
+        bound = self.bound_params()
+        if bound is not None:  # inside the block's region: the unsharded parameter is an input
+            return bound[fsdp_param.index_in_group]
         annotation = trace_annotation(group.label, fsdp_param.fqn, self.reshards_after_forward)
         return unshard_for_trace(fsdp_param.sharded_param, fsdp_param.layout, fsdp_param.param_dtype, group.reduce_spec, annotation)
 
@@ -163,7 +192,17 @@ class FSDPState:
         return self.group.label if self.group is not None else type(self.modules[0]).__name__
 
     # --- lazy init ------------------------------------------------------------------------------
+    def outermost(self) -> "FSDPState":
+        """The root this state initializes under: the outermost enclosing fully_shard call's state."""
+        return self if self.outer is None else self.outer.outermost()
+
     def _lazy_init(self) -> None:
+        root = self.outermost()
+        if root is not self and root.runs_compiled and root.is_root is None:
+            # The model runs compiled (its root never ran the eager hooks), and this module runs
+            # eagerly: a loss head called after the compiled forward, or a frame Dynamo gave up on.
+            root._lazy_init()
+            return
         if self.outer is not None:
             raise RuntimeError(
                 f"fsdp_compile: forward ran on '{self.label}' before its root '{self.outer.label}'. FSDP initializes "
@@ -217,9 +256,12 @@ class FSDPState:
                 "autograd cannot trace their backward part (end-of-backward callback, reduce-scatter bookkeeping). "
                 "Use torch.compile(model, backend='fsdp_inductor') with compiled autograd, or turn one of the two off."
             )
-        if self.training_state == TrainingState.PRE_BACKWARD:
-            # Activation-checkpoint recompute inside backward: parameters are already unsharded,
-            # and the inputs are cast as in forward, or recompute would see other dtypes.
+        if self.training_state == TrainingState.PRE_BACKWARD or torch._C._current_graph_task_id() != -1:
+            # Activation-checkpoint recompute inside backward: the parameters are unsharded (again,
+            # if an earlier post-backward of the group resharded them) and stay so until this
+            # group's post-backward; the inputs are cast as in forward, or recompute would see
+            # other dtypes. No root step starts here.
+            self._unshard_for_recompute()
             return self._cast_forward_inputs(args, kwargs)
         if self.is_root is None:
             self._lazy_init()
@@ -250,6 +292,12 @@ class FSDPState:
         if torch.is_grad_enabled() and entering_group:
             args, kwargs = self._hook_post_backward_to_inputs(args, kwargs)
         return args, kwargs
+
+    def _unshard_for_recompute(self) -> None:
+        self.training_state = TrainingState.PRE_BACKWARD  # its post-forward then keeps the parameters
+        if self.group is not None and not self.group.is_unsharded:
+            self.group.pre_backward()
+            self.group.wait_for_unshard()
 
     def _root_pre_forward(self) -> None:
         ctx = self.root_ctx
@@ -293,9 +341,7 @@ class FSDPState:
         if group is not None:
             self._modules_to_run_forward.discard(id(module))
             if not self._modules_to_run_forward:
-                group.post_forward()
-                self._post_forward_indices.append(len(ctx.post_forward_order))
-                ctx.post_forward_order.append(group)
+                self._finish_group_forward(ctx)
         if torch.is_grad_enabled():
             self._hook_pre_backward_to_outputs(output)
         output = self._cast_output(output)
@@ -304,8 +350,21 @@ class FSDPState:
             self._root_post_forward(ctx)
         return output
 
+    def _finish_group_forward(self, ctx: _RootContext) -> None:
+        assert self.group is not None
+        self.group.post_forward()
+        self._post_forward_indices.append(len(ctx.post_forward_order))
+        ctx.post_forward_order.append(self.group)
+
     def _root_post_forward(self, ctx: _RootContext) -> None:
         ctx.comm.release()
+        # A group of several modules whose forward ran only some of them (fully_shard([embed, head])
+        # with the head called per loss chunk after the model's forward) finishes its forward
+        # now, as FSDP2 does: each later call of the rest is a forward through the group of its own.
+        for state in ctx.states:
+            if state._modules_to_run_forward and state.group is not None:
+                state._modules_to_run_forward.clear()
+                state._finish_group_forward(ctx)
         # Forward prefetches of modules that did not run this step would pin memory until backward.
         for state in ctx.states:
             if state.group is not None and state.group.has_unshard_in_flight and state.group not in ctx.forward_order:

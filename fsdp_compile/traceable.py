@@ -26,7 +26,7 @@ from fsdp_compile.annotations import FSDP_ANNOTATION_KEY, GROUP_KEY, PARAM_KEY, 
 from fsdp_compile.collectives import ReduceSpec
 from fsdp_compile.layout import ShardLayout
 
-__all__ = ["trace_annotation", "unshard_for_trace", "install_traced_param_access", "FSDP_ANNOTATION_KEY"]
+__all__ = ["trace_annotation", "unshard_for_trace", "install_traced_param_access", "FSDP_ANNOTATION_KEY", "BOUND_PARAMS_ATTR"]
 
 _functional = torch.ops._c10d_functional
 
@@ -92,14 +92,22 @@ def unshard_for_trace(
 
 
 _TRACED_PARAMS_ATTR = "_fsdp_compile_traced_params"
+# On a block's module while its nested compile region is traced: the unsharded parameters, in
+# group order. See [Note: compile once per block] in module.py.
+BOUND_PARAMS_ATTR = "_fsdp_compile_bound_params"
 _property_classes: dict[tuple[type, frozenset[str]], type] = {}
 
 
 def _param_property(name: str) -> property:
     def read(module: torch.nn.Module) -> torch.Tensor:
+        fsdp_param, state = module.__dict__[_TRACED_PARAMS_ATTR][name]
+        if state.per_block_compiled:  # FSDP2's recipe: the hooks registered the unsharded parameter
+            return module._parameters[name]
         if torch.compiler.is_compiling() and not config.skip_fsdp_hooks:
-            fsdp_param, state = module.__dict__[_TRACED_PARAMS_ATTR][name]
             return state.traced_unshard(fsdp_param)
+        bound = state.bound_params()
+        if bound is not None:  # a block region's body run eagerly: its inputs are the parameters
+            return bound[fsdp_param.index_in_group]
         return module._parameters[name]
 
     return property(read, doc=f"FSDP-managed parameter '{name}' (see [Note: parameter reads under torch.compile])")

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import fsdp_compile
@@ -386,6 +387,119 @@ def _jvp_through_sharded_module():
 
 def test_torch_func_jvp_through_a_sharded_module_equals_unsharded(dist):
     assert dist.run(2, _jvp_through_sharded_module)[0] < 1e-6
+
+
+# --- 8. chunked loss: the output head called per chunk after the model's forward ----------------------
+
+
+VOCAB = 16
+
+
+class _LanguageModel(nn.Module):
+    """Embedding, two blocks, a head the loss calls per chunk outside ``forward``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(_Block() for _ in range(2))
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(tokens)
+        for block in self.blocks:
+            hidden = block(hidden)
+        return hidden.reshape(-1, DIM)
+
+
+def _chunk_losses(model: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, style: str, normalizer: int) -> None:
+    """Backward of the summed cross-entropy over 3 chunks of ``hidden``, in one of the usual styles."""
+    def chunk_loss(h, t):
+        return F.cross_entropy(model.head(h), t, reduction="sum") / normalizer
+
+    pairs = list(zip(hidden.chunk(3), targets.chunk(3)))
+    if style == "summed":
+        sum(chunk_loss(h, t) for h, t in pairs).backward()
+    elif style == "checkpointed":
+        sum(checkpoint(chunk_loss, h, t, use_reentrant=False) for h, t in pairs).backward()
+    elif style == "per_chunk_backward":  # Liger / torchtune: backward per chunk, then into the model
+        detached = hidden.detach().requires_grad_()
+        for h, t in zip(detached.chunk(3), targets.chunk(3)):
+            chunk_loss(h, t).backward()
+        hidden.backward(detached.grad)
+    else:
+        raise AssertionError(style)
+
+
+def _chunked_loss(grouping: str, style: str, compile_mode: str | None):
+    torch.manual_seed(0)
+    reference = _LanguageModel()
+    model = copy.deepcopy(reference)
+    for block in model.blocks:
+        fully_shard(block)
+    if grouping == "own_head":
+        fully_shard(model.head)
+    else:  # embedding and head in one group, the head running long after the embedding
+        fully_shard([model.embed, model.head])
+    fully_shard(model)
+    runner = _compiled(model, compile_mode)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    generator = torch.Generator().manual_seed(3)
+    initial = [p.detach().clone() for p in reference.parameters()]
+    ours_opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
+    first_step_grads = None
+    for _ in range(2):
+        tokens = torch.randint(0, VOCAB, (2 * world, 6), generator=generator)
+        targets = torch.randint(0, VOCAB, (2 * world * 6,), generator=generator)
+        local_tokens, local_targets = tokens.chunk(world)[rank], targets.chunk(world)[rank]
+        _chunk_losses(model, runner(local_tokens), local_targets, style, normalizer=local_targets.numel())
+        _chunk_losses(reference, reference(tokens), targets, style, normalizer=targets.numel())
+        if first_step_grads is None:
+            first_step_grads = _max_difference(_full_grads(model), [p.grad for p in reference.parameters()])
+        ours_opt.step(), ref_opt.step()
+        ours_opt.zero_grad(), ref_opt.zero_grad()
+    final = [p.detach() for p in reference.parameters()]
+    return {
+        "grads_vs_reference": first_step_grads,
+        "params_vs_reference": _max_difference([p.full_tensor() for p in model.parameters()], final),
+        "moved": _max_difference(final, initial),
+    }
+
+
+@pytest.mark.parametrize("style", ["summed", "checkpointed", "per_chunk_backward"])
+@pytest.mark.parametrize("grouping", ["own_head", "embed_and_head"])
+def test_loss_head_called_per_chunk_after_forward_matches_unsharded(dist, grouping, style):
+    result = dist.run(2, _chunked_loss, grouping, style, None)[0]
+    assert result["grads_vs_reference"] < 1e-6, result
+    assert result["params_vs_reference"] < 1e-6, result
+    assert result["moved"] > 1e-3
+
+
+@pytest.mark.parametrize("style", ["summed", "per_chunk_backward"])
+def test_loss_head_called_per_chunk_after_a_compiled_forward_matches_unsharded(dist, style):
+    result = dist.run(2, _chunked_loss, "own_head", style, "fsdp_inductor")[0]
+    assert result["grads_vs_reference"] < 1e-5, result
+    assert result["params_vs_reference"] < 1e-5, result
+
+
+def _mixed_layout_group_reduced_twice():
+    """A group holding a Shard(1) weight and a Shard(0) bias, reduced twice in one step (per-chunk
+    backward): the second reduction must add to both gradients, not overwrite the bias's."""
+    from torch.distributed.tensor import Shard
+
+    torch.manual_seed(0)
+    reference = nn.Linear(DIM, 2 * DIM)
+    model = copy.deepcopy(reference)
+    fully_shard(model, shard_placement_fn=lambda p: Shard(1) if p.dim() == 2 else None)
+    x = torch.randn(4 * dist.get_world_size(), DIM)
+    for chunk in x.chunk(2):
+        reference(chunk).pow(2).sum().div(x.shape[0]).backward()
+    for chunk in x.chunk(dist.get_world_size())[dist.get_rank()].chunk(2):
+        model(chunk).pow(2).sum().div(x.shape[0] / dist.get_world_size()).backward()
+    return _max_difference(_full_grads(model), [p.grad for p in reference.parameters()])
+
+
+def test_group_mixing_shard_dims_accumulates_across_two_reductions_in_a_step(dist):
+    assert dist.run(2, _mixed_layout_group_reduced_twice)[0] < 1e-6
 
 
 # --- 9. slicing a sharded nn.Sequential -------------------------------------------------------------------

@@ -1,0 +1,202 @@
+"""Compile once per block: torchtitan's per-block recipe shares one graph between identical blocks
+at any depth, survives frames Dynamo runs eagerly, and does not recompile in steady state; the
+whole-model form compiles a non-resharding block's body once (a nested compile region)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fsdp_compile
+from fsdp_compile import MixedPrecisionPolicy, fully_shard
+from fsdp_compile.backend import observe_graphs
+from fsdp_compile.models import Transformer, TransformerConfig, next_token_loss
+
+DEEP = TransformerConfig(vocab_size=32, dim=16, n_layers=12, n_heads=2, max_seq_len=16)
+SHALLOW = TransformerConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, max_seq_len=16)
+
+
+def _tokens(rows: int, seq: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    start = torch.randint(0, 32, (rows, 1), generator=generator)
+    return (start + torch.arange(seq)) % 32
+
+
+def _shard(model: Transformer, policy: MixedPrecisionPolicy, reshard_blocks: bool = True) -> Transformer:
+    for block in model.layers:
+        fully_shard(block, mp_policy=policy, reshard_after_forward=reshard_blocks)
+    fully_shard(model, mp_policy=policy)
+    return model
+
+
+def _train(model, steps: int, seed: int = 0) -> list[float]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(steps):
+        tokens = _tokens(2, 12, seed=100 * step + dist.get_rank() + seed)
+        loss = next_token_loss(model(tokens), tokens)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _param_gap(a, b) -> float:
+    return max((x.full_tensor() - y.full_tensor()).abs().max().item() for x, y in zip(a.parameters(), b.parameters()))
+
+
+# --- per block: block.compile(backend="fsdp_inductor") --------------------------------------------
+
+
+def _per_block(case: str, param_dtype_name: str | None):
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    policy = MixedPrecisionPolicy(param_dtype=getattr(torch, param_dtype_name) if param_dtype_name else None)
+    torch.manual_seed(0)
+    reference = Transformer(DEEP)
+    eager, compiled = _shard(copy.deepcopy(reference), policy), _shard(copy.deepcopy(reference), policy)
+    previous_limit = torch._dynamo.config.recompile_limit
+    if case == "recompile_limit_1":
+        torch._dynamo.config.recompile_limit = 1
+    try:
+        for index, block in enumerate(compiled.layers):
+            block.compile(backend="fsdp_inductor")
+            if case == "one_block_disabled" and index == 5:
+                block.forward = torch.compiler.disable(block.forward)
+        eager_losses, compiled_losses = _train(eager, 3), _train(compiled, 3)
+    finally:
+        torch._dynamo.config.recompile_limit = previous_limit
+    stats = torch._dynamo.utils.counters["stats"]
+    return {
+        "eager_losses": eager_losses,
+        "compiled_losses": compiled_losses,
+        "param_gap": _param_gap(eager, compiled),
+        "unique_graphs": stats["unique_graphs"],
+        "recompiles": sum(torch._dynamo.utils.counters["recompiles"].values()),
+    }
+
+
+@pytest.mark.parametrize("case", ["plain", "one_block_disabled", "recompile_limit_1"])
+def test_per_block_compile_of_twelve_blocks_shares_one_graph_and_trains_like_eager(dist, case):
+    result = dist.run(2, _per_block, case, None)[0]
+    for eager, compiled in zip(result["eager_losses"], result["compiled_losses"]):
+        assert abs(eager - compiled) <= 1e-5 * abs(eager), result
+    assert result["param_gap"] < 1e-5, result
+    # One forward graph for all twelve blocks (no guard on a block's identity), no recompiles.
+    assert result["unique_graphs"] == 1, result
+    assert result["recompiles"] == 0, result
+
+
+def test_per_block_compile_with_bf16_matches_eager_bf16(dist):
+    result = dist.run(2, _per_block, "plain", "bfloat16")[0]
+    for eager, compiled in zip(result["eager_losses"], result["compiled_losses"]):
+        assert abs(eager - compiled) <= 1e-2 * abs(eager), result
+    assert result["unique_graphs"] == 1
+
+
+# --- steady state: no recompiles per step or per block ---------------------------------------------
+
+
+def _steady_state():
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(0)
+    model = _shard(Transformer(SHALLOW), MixedPrecisionPolicy())
+    for block in model.layers:
+        block.compile(backend="fsdp_inductor")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    graphs = []
+
+    def step(rows: int, seq: int, seed: int) -> None:
+        tokens = _tokens(rows, seq, seed)
+        next_token_loss(model(tokens), tokens).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+    for seed in range(3):
+        step(2, 12, seed)
+    model.eval()
+    with torch.no_grad():
+        model(_tokens(2, 12, 9))
+    model.train()
+    for seed in range(3):
+        step(2, 12, seed)
+    step(3, 12, 20)  # a new batch size: at most one recompile (then dynamic)
+    step(5, 12, 21)
+    step(3, 8, 22)  # a new sequence length
+    step(4, 6, 23)
+    return graphs
+
+
+def test_steady_state_training_eval_switch_and_new_shapes_recompile_at_most_once_per_shape_class(dist):
+    graphs = dist.run(2, _steady_state)[0]
+    assert graphs[0] == graphs[2], "steps after the first must not recompile"
+    assert graphs[3] == graphs[5], "train -> eval -> train recompiles nothing once seen"
+    assert graphs[6] - graphs[5] <= 1 and graphs[7] == graphs[6], "one recompile for a new batch size, then dynamic"
+    assert graphs[8] - graphs[7] <= 1 and graphs[9] == graphs[8], "one recompile for a new sequence length, then dynamic"
+
+
+# --- whole model: a nested compile region per non-resharding block ----------------------------------
+
+
+def _whole_model_regions(layers: int, backend: str):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    config = TransformerConfig(vocab_size=32, dim=16, n_layers=layers, n_heads=2, max_seq_len=16)
+    reference = Transformer(config)
+    eager = _shard(copy.deepcopy(reference), MixedPrecisionPolicy(), reshard_blocks=False)
+    compiled = _shard(copy.deepcopy(reference), MixedPrecisionPolicy(), reshard_blocks=False)
+    with observe_graphs() as graphs:
+        runner = torch.compile(compiled, backend=backend)
+        optimizer = torch.optim.SGD(compiled.parameters(), lr=0.1)
+        compiled_losses = []
+        for step in range(2):
+            tokens = _tokens(2, 12, seed=100 * step + dist.get_rank())
+            loss = next_token_loss(runner(tokens), tokens)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            compiled_losses.append(loss.item())
+    eager_losses = _train(eager, 2)
+    invoke = torch.ops.higher_order.invoke_subgraph
+    # The outer forward graph (Inductor also runs the post-grad passes on each region's body).
+    forward = next(g for kind, g in graphs if kind == "forward" and any(n.target is invoke for n in g.graph.nodes))
+    calls = [n for n in forward.graph.nodes if n.op == "call_function" and n.target is invoke]
+    bodies = {n.args[0].target for n in calls}
+    # Prefetch across blocks: the all-gather feeding block i+1's region runs before block i's region.
+    order = [n for n in forward.graph.nodes if n.op == "call_function" and (n.target is invoke or "all_gather_into_tensor" in str(n.target))]
+    first_region = next(i for i, n in enumerate(order) if n.target is invoke)
+    return {
+        "region_calls": len(calls),
+        "distinct_bodies": len(bodies),
+        "all_gathers_before_first_region": sum("all_gather" in str(n.target) for n in order[:first_region]),
+        "eager_losses": eager_losses,
+        "compiled_losses": compiled_losses,
+        "param_gap": _param_gap(eager, compiled),
+    }
+
+
+@pytest.mark.parametrize("layers", [2, 12])
+def test_whole_model_compiles_a_non_resharding_block_body_once(dist, layers):
+    result = dist.run(2, _whole_model_regions, layers, "fsdp_aot_eager")[0]
+    assert result["region_calls"] == layers
+    # One body for all blocks; the first block's input carries no gradient, so its backward may
+    # be partitioned apart (a second body), never one per block.
+    assert result["distinct_bodies"] <= 2, result
+    # Bucketed per group: the root's, block 0's and block 1's all-gathers go out before block 0 runs.
+    assert result["all_gathers_before_first_region"] == 3, result
+    for eager, compiled in zip(result["eager_losses"], result["compiled_losses"]):
+        assert abs(eager - compiled) <= 1e-5 * abs(eager), result
+    assert result["param_gap"] < 1e-5
+
+
+def test_whole_model_regions_under_inductor_match_eager(dist):
+    result = dist.run(2, _whole_model_regions, 2, "fsdp_inductor")[0]
+    assert result["region_calls"] == 2 and result["distinct_bodies"] <= 2
+    for eager, compiled in zip(result["eager_losses"], result["compiled_losses"]):
+        assert abs(eager - compiled) <= 1e-5 * abs(eager), result
+    assert result["param_gap"] < 1e-5
