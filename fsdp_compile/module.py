@@ -9,6 +9,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_compile.api import BackwardPrefetch, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from fsdp_compile.mesh import MeshInfo, default_mesh, mesh_device, mesh_info_for, post_forward_mesh_info_for
+from fsdp_compile.optimizer_check import install_optimizer_check, mark_replaced
 from fsdp_compile.param import FSDPParam, ParamRef
 from fsdp_compile.param_group import FSDPParamGroup
 from fsdp_compile.state import FSDPState, all_states_under, state_of
@@ -330,6 +331,8 @@ def fully_shard(
     ]
     for param in params:
         setattr(param, _OWNER_ATTR, label)
+        mark_replaced(param, f"fully_shard({label})")
+    install_optimizer_check()
     group = None
     if fsdp_params:
         group = FSDPParamGroup(

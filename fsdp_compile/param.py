@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_compile.api import MixedPrecisionPolicy
 from fsdp_compile.layout import ShardLayout
+from fsdp_compile.optimizer_check import mark_replaced
 from fsdp_compile.mesh import MeshInfo, PostForwardMeshInfo
 
 __all__ = ["ShardedState", "ParamRef", "FSDPParam"]
@@ -345,6 +346,7 @@ class FSDPParam:
                 f"fsdp_compile: '{self.fqn}' was assigned a tensor of shape {tuple(value.shape)}, but fully_shard sharded "
                 f"a parameter of shape {tuple(self.orig_size)}. Assign a full tensor of that shape."
             )
+        mark_replaced(self.sharded_param, f"an assignment to '{self.fqn}'")
         self.sharded_param = new
         self._unsharded_param = None
         self.register_everywhere(new)

@@ -4,10 +4,12 @@ optimizer built too early; each under fsdp_inductor against our eager runtime.""
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 import fsdp_compile
 from fsdp_compile import fully_shard
@@ -50,7 +52,10 @@ def _per_rank_shapes(dynamic):
     torch._dynamo.reset()
     rank = dist.get_rank()
     eager, compiled = _pair()
-    runner = torch.compile(compiled, backend="fsdp_inductor", dynamic=dynamic)
+    # fsdp_aot_eager: the same Dynamo graphs, cross-rank check and passes as fsdp_inductor, without
+    # the Inductor code generation that would make each of the recompiles here cost a minute on
+    # 2 cores (Inductor's numerics are checked in test_compile.py and in the loops below).
+    runner = torch.compile(compiled, backend="fsdp_aot_eager", dynamic=dynamic)
     # (rows, seq) per step and rank: rank 1's batch grows, then rank 0's sequence shrinks, then a
     # smaller last batch on every rank.
     plan = [((2, 12), (2, 12)), ((2, 12), (3, 12)), ((2, 8), (3, 12)), ((1, 12), (1, 12))]
@@ -74,3 +79,134 @@ def test_per_rank_shapes_recompile_on_that_rank_only_and_train_like_eager(dist, 
         # Step 1 changes rank 1's shape only: only rank 1 compiles again (rank-local recompile).
         assert rank0["graphs_after_each_step"][1] == rank0["graphs_after_each_step"][0]
         assert rank1["graphs_after_each_step"][1] > rank1["graphs_after_each_step"][0]
+
+
+# --- an optimizer built before fully_shard ---------------------------------------------------------
+
+
+def _optimizer_before_fully_shard(compile_mode):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Transformer(TINY)
+    early = torch.optim.AdamW(model.parameters(), lr=1e-3)  # holds the parameters fully_shard replaces
+    shard_model(model, fully_shard)
+    runner = torch.compile(model, backend=compile_mode) if compile_mode else model
+    tokens = _tokens(2, 12, seed=dist.get_rank())
+    next_token_loss(runner(tokens), tokens).backward()
+    try:
+        early.step()
+        message = ""
+    except RuntimeError as error:
+        message = str(error)
+    late = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    before = [p.full_tensor().clone() for p in model.parameters()]
+    late.step()  # the optimizer built after fully_shard steps the shards
+    moved = max((a - p.full_tensor()).abs().max().item() for a, p in zip(before, model.parameters()))
+    return {"message": message, "late_optimizer_moved": moved}
+
+
+@pytest.mark.parametrize("compile_mode", [None, "fsdp_aot_eager"])
+def test_optimizer_built_before_fully_shard_fails_at_its_first_step_naming_the_fix(dist, compile_mode):
+    result = dist.run(2, _optimizer_before_fully_shard, compile_mode)[0]
+    assert "AdamW.step() would update a parameter that fully_shard(Transformer" in result["message"], result
+    assert "Build the optimizer after fully_shard" in result["message"]
+    assert result["late_optimizer_moved"] > 0
+
+
+# --- the loops people write, under fsdp_inductor -----------------------------------------------------
+
+
+class _SkippingTransformer(Transformer):
+    """The Transformer with each block's feed-forward checkpointed (inside the block, use_reentrant=False)
+    and a set of blocks to skip (the same on every rank)."""
+
+    skip: frozenset = frozenset()
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__(config)
+        for layer in self.layers:
+            layer.feed_forward.forward = functools.partial(checkpoint, layer.feed_forward.forward, use_reentrant=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok_embeddings(tokens)
+        for index, layer in enumerate(self.layers):
+            if index not in self.skip:
+                x = layer(x, self.rope_cos, self.rope_sin)
+        return self.output(self.norm(x))
+
+
+def _training_loops():
+    """One model eager and one under fsdp_inductor through the same loop; named figures per phase."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(0)
+    reference = _SkippingTransformer(TINY)
+    eager, compiled = shard_model(copy.deepcopy(reference), fully_shard), shard_model(copy.deepcopy(reference), fully_shard)
+    runner = torch.compile(compiled, backend="fsdp_inductor")
+    figures = {"eager": {}, "compiled": {}}
+    graphs = []
+    rank = dist.get_rank()
+    for name, model, run in (("eager", eager, eager), ("compiled", compiled, runner)):
+        model.skip = frozenset()  # an instance attribute from the start, as the loop sets it
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        out = figures[name]
+
+        def train_step(seed: int, micro_batches: int = 1) -> float:
+            total = 0.0
+            for micro in range(micro_batches):
+                model.set_requires_gradient_sync(micro == micro_batches - 1)
+                tokens = _tokens(2, 12, seed=10 * seed + 3 * micro + rank)
+                loss = next_token_loss(run(tokens), tokens) / micro_batches
+                loss.backward()
+                total += loss.item()
+            out.setdefault("grad_norms", []).append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5).item())
+            optimizer.step()
+            optimizer.zero_grad()
+            return total
+
+        def evaluate(seed: int) -> float:
+            model.eval()
+            with torch.no_grad():
+                tokens = _tokens(2, 12, seed=seed + rank)
+                value = next_token_loss(run(tokens), tokens).item()
+            model.train()
+            return value
+
+        out["losses"] = [train_step(0)]
+        out["eval"] = [evaluate(50)]
+        out["losses"].append(train_step(1, micro_batches=3))  # accumulation without sync
+        model.skip = frozenset({1})  # a block skipped on this step, on every rank
+        out["losses"].append(train_step(2))
+        model.skip = frozenset()
+        out["losses"].append(train_step(3))
+        if name == "compiled":
+            graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        out["eval"].append(evaluate(60))  # eval and train again: everything seen before, no compile
+        out["losses"].append(train_step(4))
+        if name == "compiled":
+            graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    return {**figures, "graphs": graphs, "param_gap": _max_param_gap(eager, compiled)}
+
+
+@pytest.fixture(scope="module")
+def loops(dist):
+    return dist.run(2, _training_loops)[0]
+
+
+def _close(a: list[float], b: list[float], rtol: float = 1e-5) -> bool:
+    return all(abs(x - y) <= rtol * abs(x) for x, y in zip(a, b, strict=True))
+
+
+def test_checkpointed_blocks_accumulation_and_skipped_blocks_train_like_eager(loops):
+    assert _close(loops["eager"]["losses"], loops["compiled"]["losses"]), loops
+    assert loops["param_gap"] < 1e-5, loops
+
+
+def test_eval_with_no_grad_mid_training_matches_eager_and_switching_back_does_not_recompile(loops):
+    assert _close(loops["eager"]["eval"], loops["compiled"]["eval"]), loops
+    assert loops["graphs"][0] == loops["graphs"][1], loops
+
+
+def test_clip_grad_norm_over_the_sharded_gradients_matches_eager(loops):
+    assert _close(loops["eager"]["grad_norms"], loops["compiled"]["grad_norms"]), loops
+    assert max(loops["eager"]["grad_norms"]) > 0.5  # the clip really cut

@@ -1,0 +1,52 @@
+"""An optimizer built before ``fully_shard`` holds the parameters ``fully_shard`` replaced by their
+shards: its ``step()`` would update tensors no module uses any more, silently training nothing.
+
+``fully_shard`` marks every parameter it replaces (and ``replace_sharded_param`` every shard it
+replaces); one global optimizer step pre-hook refuses an optimizer holding a marked parameter, at
+its first ``step()``. The check runs once per optimizer and parameter count, so a step costs one
+weak-dictionary lookup.
+"""
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any
+
+import torch
+
+__all__ = ["mark_replaced", "install_optimizer_check"]
+
+_REPLACED_ATTR = "_fsdp_compile_replaced_by"
+# optimizer -> how many parameters it held when last checked
+_checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
+
+
+def mark_replaced(param: torch.Tensor, where: str) -> None:
+    """``param`` is no longer what the module holds; ``where`` says what replaced it, for the error."""
+    setattr(param, _REPLACED_ATTR, where)
+
+
+def _refuse_replaced_parameters(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if torch.compiler.is_compiling():
+        return
+    count = sum(len(group["params"]) for group in optimizer.param_groups)
+    if _checked.get(optimizer) == count:
+        return
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            where = getattr(param, _REPLACED_ATTR, None)
+            if where is not None:
+                raise RuntimeError(
+                    f"fsdp_compile: {type(optimizer).__name__}.step() would update a parameter that {where} replaced, "
+                    "so it would train nothing. Build the optimizer after fully_shard (and after assigning "
+                    "parameters), from model.parameters(), so it holds the sharded parameters."
+                )
+    _checked[optimizer] = count
+
+
+@functools.cache
+def install_optimizer_check() -> None:
+    """Once per process, at the first ``fully_shard``."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    register_optimizer_step_pre_hook(_refuse_replaced_parameters)
