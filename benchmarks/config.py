@@ -58,14 +58,11 @@ class BenchConfig:
 
 
 _EPILOG = """\
-modes (all run in one process per rank, interleaved step by step: A B C A B C ...; ours-fallback
-runs after the others, see below):
+modes (all run in one process per rank, interleaved step by step: A B C A B C ...):
   ours-eager          fsdp_compile.fully_shard per block + root, eager
   ours-compiled       the same, then torch.compile(model, backend="fsdp_inductor")
   ours-fallback       the same, fsdp_compile.config.skip_fsdp_hooks = True around each step,
-                      torch.compile(model, backend="inductor"). Stepped after the other modes:
-                      its graph breaks make Dynamo skip nn.Module.__call__'s frame for the rest
-                      of the process, which would turn ours-compiled into per-block graphs
+                      torch.compile(model, backend="inductor")
   torch-eager         torch.distributed.fsdp.fully_shard per block + root, eager
   torch-blockcompile  torch.compile(block, fullgraph=True) per block, then PyTorch's
                       fully_shard per block + root (torchtitan's default)

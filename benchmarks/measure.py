@@ -19,7 +19,7 @@ import torch
 from benchmarks.modes import Mode
 from fsdp_compile.models import next_token_loss
 
-__all__ = ["train_step", "timed_step", "probe_step", "Probe"]
+__all__ = ["train_step", "timed_step", "probe_step", "Probe", "count_collectives"]
 
 
 def _synchronize(device: torch.device) -> None:
@@ -161,7 +161,7 @@ def _collective_kind(op_name: str) -> str:
 
 
 @contextlib.contextmanager
-def _count_collectives() -> Iterator[collections.Counter]:
+def count_collectives() -> Iterator[collections.Counter]:
     """Count the c10d ops dispatched while open, by kind.
 
     [Note: counting collectives] Every collective reaches the process group as one ``c10d::`` op,
@@ -200,7 +200,7 @@ def probe_step(mode: Mode, tokens: torch.Tensor, device: torch.device) -> Probe:
     import fsdp_compile
 
     record = fsdp_compile.record_collectives() if mode.ours else contextlib.nullcontext(None)
-    with _count_collectives() as counts, record as log, _peak_memory(device) as memory:
+    with count_collectives() as counts, record as log, _peak_memory(device) as memory:
         with mode.step_context():
             with _saved_bytes() as saved:
                 loss = next_token_loss(mode.model(tokens), tokens)

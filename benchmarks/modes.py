@@ -17,7 +17,7 @@ from fsdp_compile.backend import fsdp_inductor_with
 from fsdp_compile.config import PassConfig
 from fsdp_compile.models import Transformer, TransformerConfig
 
-__all__ = ["Mode", "build_mode", "COMPILED", "RUNS_LAST"]
+__all__ = ["Mode", "build_mode", "COMPILED"]
 
 # ours-compiled's graph passes per mode; the ablations turn some off (benchmarks/config.py).
 _PASSES = {
@@ -26,11 +26,6 @@ _PASSES = {
     "ours-compiled-nopasses": PassConfig(bucket=False, reorder=False),
 }
 COMPILED = frozenset({"ours-fallback", "torch-blockcompile", *_PASSES})
-# Modes stepped after all the others, not interleaved with them. The fallback's graph breaks sit
-# inside nn.Module.__call__'s hook loop, so Dynamo marks that frame (shared by every module) to be
-# skipped for the rest of the process: an fsdp_inductor model stepped afterwards would run its
-# hooks eagerly around per-block graphs (12 collectives per step instead of 8 in the default run).
-RUNS_LAST = frozenset({"ours-fallback"})
 
 
 @dataclass

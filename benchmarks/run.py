@@ -22,7 +22,7 @@ import torch.distributed as dist
 from benchmarks import report
 from benchmarks.config import BenchConfig
 from benchmarks.measure import probe_step, timed_step
-from benchmarks.modes import COMPILED, RUNS_LAST, Mode, build_mode
+from benchmarks.modes import COMPILED, Mode, build_mode
 from benchmarks.progress import Progress
 
 __all__ = ["worker"]
@@ -133,32 +133,29 @@ def _run(cfg: BenchConfig, rank: int, world: int, device: torch.device) -> dict:
     times: dict[str, list[list[float]]] = {name: [] for name in cfg.modes}  # [step][rank]
     losses: dict[str, list[float]] = {name: [] for name in cfg.modes}
     probes: dict[str, list] = {}
-    interleaved = [name for name in cfg.modes if name not in RUNS_LAST]
-    for group in (interleaved, [name for name in cfg.modes if name in RUNS_LAST]):
-        for step in range(cfg.total_steps):
-            for name in group:
-                if status[name] is not None:
-                    progress.advance(f"{name} unavailable")
-                    continue
-                phase = "warm-up" if step < cfg.warmup else "step"
-                seconds, loss, reason = _step_all_ranks(modes[name], batches[step], device, agree, errors)
-                if reason is not None:
-                    status[name] = reason if step == 0 else f"failed at step {step}: {reason}"
-                    modes[name] = None
-                else:
-                    times[name].append(seconds)
-                    losses[name].append(loss)
-                progress.advance(f"{name} {phase} {step + 1}/{cfg.total_steps}")
-        for name in group:
-            if status[name] is None:
-                probes[name] = _probe_all_ranks(modes[name], batches[cfg.total_steps], device, agree, errors)
-            progress.advance(f"probed {name}")
+    for step in range(cfg.total_steps):
+        for name in cfg.modes:
+            if status[name] is not None:
+                progress.advance(f"{name} unavailable")
+                continue
+            phase = "warm-up" if step < cfg.warmup else "step"
+            seconds, loss, reason = _step_all_ranks(modes[name], batches[step], device, agree, errors)
+            if reason is not None:
+                status[name] = reason if step == 0 else f"failed at step {step}: {reason}"
+                modes[name] = None
+            else:
+                times[name].append(seconds)
+                losses[name].append(loss)
+            progress.advance(f"{name} {phase} {step + 1}/{cfg.total_steps}")
+    for name in cfg.modes:
+        if status[name] is None:
+            probes[name] = _probe_all_ranks(modes[name], batches[cfg.total_steps], device, agree, errors)
+        progress.advance(f"probed {name}")
     modes.clear()
     gc.collect()
 
     warm: dict[str, float | None] = {}
     compiled = [name for name in cfg.modes if name in COMPILED and status[name] is None]
-    compiled.sort(key=lambda name: name in RUNS_LAST)
     if cfg.warm_compile and compiled:
         progress.grow(len(compiled) * cfg.warmup)
         for name in compiled:

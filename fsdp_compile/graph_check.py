@@ -19,6 +19,7 @@ belongs to, and compares it with what the other ranks published for that frame:
 from __future__ import annotations
 
 import hashlib
+import re
 import time
 
 import torch
@@ -31,6 +32,9 @@ __all__ = ["collective_fingerprint", "check_collectives_match_across_ranks"]
 
 _PREFIX = "fsdp_compile/collectives"
 _POLL_S = 0.02
+# Bumped by every rank that raises a divergence: the ranks that diverged (all of them raise) start
+# afresh, so a caller that catches the error and goes on is not judged by the keys left behind.
+_generation = 0
 
 
 def _collective_calls(gm: fx.GraphModule) -> list[str]:
@@ -66,11 +70,21 @@ def collective_fingerprint(gm: fx.GraphModule) -> str:
 
 
 def _frame_key() -> str:
-    """The Dynamo frame being compiled: the same key on every rank running the same code."""
+    """The Dynamo frame being compiled, named by its code's location: the same key on every rank
+    running the same code, whatever else each process compiled before (Dynamo's frame ids count
+    frames in the order one process first met them, so they differ once ranks compiled different
+    functions)."""
     compile_id = torch._guards.CompileContext.current_compile_id()
-    if compile_id is None:
-        return "unknown"
-    return f"{compile_id.compiled_autograd_id}-{compile_id.frame_id}"
+    autograd = "compiled-autograd/" if compile_id is not None and compile_id.compiled_autograd_id is not None else ""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        code = InstructionTranslator.current_tx().f_code
+    except AttributeError:  # not under Dynamo (a graph handed to the backend directly)
+        return f"{autograd}unknown"
+    # FX names generated code "<eval_with_key>.N" with a per-process counter.
+    filename = re.sub(r"^(<eval_with_key>)\.\d+$", r"\1", code.co_filename)
+    return f"{autograd}{filename}:{code.co_firstlineno}:{code.co_name}"
 
 
 def _store_and_ranks() -> tuple[object, int, int] | None:
@@ -88,7 +102,7 @@ def check_collectives_match_across_ranks(gm: fx.GraphModule) -> None:
         return
     store, rank, world = found
     frame, fingerprint = _frame_key(), collective_fingerprint(gm)
-    prefix = f"{_PREFIX}/{frame}"
+    prefix = f"{_PREFIX}/{_generation}/{frame}"
     store.set(f"{prefix}/{fingerprint}/{rank}", "1")
     missing = [r for r in range(world) if r != rank and not store.check([f"{prefix}/{fingerprint}/{r}"])]
     if not missing:
@@ -118,6 +132,8 @@ def check_collectives_match_across_ranks(gm: fx.GraphModule) -> None:
 
 
 def _raise_divergence(rank: int, mine: str, others: dict[int, str]) -> None:
+    global _generation
+    _generation += 1
     listed = "; ".join([f"rank {rank} traced collectives {mine}"] + [f"rank {r} traced collectives {fp}" for r, fp in others.items()])
     raise RuntimeError(
         f"fsdp_inductor: ranks traced graphs with different collectives ({listed}); ranks {sorted([rank, *others])} "

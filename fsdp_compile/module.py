@@ -50,8 +50,18 @@ class FSDPModule:
         return instance
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling() and config.skip_fsdp_hooks:
+            # [Note: the eager fallback's graph breaks]
+            # The fallback runs the FSDP hooks eagerly, each a graph break. Breaking inside the
+            # forward-hook loop of nn.Module._call_impl would make Dynamo skip that frame's code,
+            # which every module shares, for the rest of the process (degrading any other compiled
+            # model); breaking here, outside any loop, leaves it alone. The hooks proper stand aside.
+            state = self._fsdp_state()
+            args, kwargs = state.eager_pre_forward(self, args, kwargs)
+            output = super().forward(*args, **kwargs)  # type: ignore[misc]
+            return state.eager_post_forward(self, args, output)
         # See [Note: compile once per block].
-        if torch.compiler.is_compiling() and not config.skip_fsdp_hooks:
+        if torch.compiler.is_compiling():
             state = self._fsdp_state()
             if state.compiles_as_region:
                 unsharded = [state.traced_unshard(fsdp_param) for fsdp_param in state.group.fsdp_params]

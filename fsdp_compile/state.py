@@ -143,9 +143,9 @@ class FSDPState:
         self.state_dict_settings: Any = None
         # Inside unshard_params(): the modules hold temporary full parameters.
         self.summoned = False
-        # skip_fsdp_hooks: under Dynamo the hooks run eagerly, each call a graph break.
-        self._eager_pre_forward_hook = torch._dynamo.disable(self._pre_forward, recursive=True)
-        self._eager_post_forward_hook = torch._dynamo.disable(self._post_forward, recursive=True)
+        # skip_fsdp_hooks: see [Note: the eager fallback's graph breaks] in module.py.
+        self.eager_pre_forward = torch._dynamo.disable(self._pre_forward, recursive=True)
+        self.eager_post_forward = torch._dynamo.disable(self._post_forward, recursive=True)
         for module in modules:
             module.__dict__[_STATE_ATTR] = self
             module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
@@ -239,8 +239,8 @@ class FSDPState:
     def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if torch.compiler.is_compiling():
             # See [Note: parameter reads under torch.compile] in traceable.py.
-            if config.skip_fsdp_hooks:
-                return self._eager_pre_forward_hook(module, args, kwargs)
+            if config.skip_fsdp_hooks:  # FSDPModule.forward runs the hook eagerly
+                return args, kwargs
             return self._cast_forward_inputs(args, kwargs)
         return self._pre_forward(module, args, kwargs)
 
@@ -322,8 +322,8 @@ class FSDPState:
 
     def _post_forward_hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if torch.compiler.is_compiling():
-            if config.skip_fsdp_hooks:
-                return self._eager_post_forward_hook(module, args, output)
+            if config.skip_fsdp_hooks:  # FSDPModule.forward runs the hook eagerly
+                return output
             return self._cast_output(output)
         return self._post_forward(module, args, output)
 

@@ -178,14 +178,15 @@ def test_state_dict_of_compiled_model_loads_into_eager_model(dist):
 
 
 class _RankDependent(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, rank_dependent: bool = True):
         super().__init__()
         self.a = torch.nn.Linear(8, 8)
         self.b = torch.nn.Linear(8, 8)
+        self.rank_dependent = rank_dependent
 
     def forward(self, x):
         x = self.a(x)
-        if dist.get_rank() == 0:  # only rank 0 gathers b's parameters
+        if not self.rank_dependent or dist.get_rank() == 0:  # else only rank 0 gathers b's parameters
             x = self.b(x)
         return x
 
@@ -197,19 +198,30 @@ def _rank_dependent_control_flow():
     fsdp_compile.fully_shard(model.b)
     fsdp_compile.fully_shard(model)
     start = time.monotonic()
+    message = ""
     try:
         torch.compile(model, backend="fsdp_inductor")(torch.randn(2, 8))
     except Exception as error:  # noqa: BLE001
-        return str(error), time.monotonic() - start
-    return "", time.monotonic() - start
+        message = str(error)
+    seconds = time.monotonic() - start
+    # The same code compiled again with matching collectives on every rank (a caller that caught
+    # the error and went on) is not judged by what the diverged compile left in the store.
+    torch._dynamo.reset()
+    again = _RankDependent(rank_dependent=False)  # the same code: the diverged compile's store keys
+    fsdp_compile.fully_shard(again.a)
+    fsdp_compile.fully_shard(again.b)
+    fsdp_compile.fully_shard(again)
+    output = torch.compile(again, backend="fsdp_aot_eager")(torch.randn(2, 8))
+    return message, seconds, tuple(output.shape)
 
 
 def test_rank_dependent_collectives_fail_before_any_collective_with_the_ranks_named(dist):
-    for message, seconds in dist.run(2, _rank_dependent_control_flow):
+    for message, seconds, later_output in dist.run(2, _rank_dependent_control_flow):
         assert "ranks traced graphs with different collectives" in message, message
         assert "ranks [0, 1] differ" in message and "rank 0 traced collectives" in message
         # Found while both ranks wait in the store, not after the timeout: no hang.
         assert seconds < fsdp_compile.config.graph_check_timeout_s / 2
+        assert later_output == (2, 8)
 
 
 def test_fallback_inside_a_compiled_training_step_matches_eager(dist):
@@ -227,3 +239,54 @@ def _fallback_under_compiled_autograd():
 def test_fallback_under_compiled_autograd_is_refused_clearly(dist):
     for message in dist.run(2, _fallback_under_compiled_autograd):
         assert "compiled autograd cannot trace" in message and "backend='fsdp_inductor'" in message
+
+
+def _fallback_and_fsdp_inductor_in_one_process():
+    """Collectives per step and compiled graphs of an fsdp_inductor model compiled alone, and of
+    one compiled after a skip_fsdp_hooks model has run in the same process."""
+    from benchmarks.measure import count_collectives
+
+    torch._dynamo.reset()
+    batches = global_batches(2, 2, dist.get_world_size())
+    reference = build_reference()
+
+    def step(runner, batch):
+        local = local_part(batch)
+        next_token_loss(runner(local), local).backward()
+
+    def first_and_second_step(runner):
+        with fsdp_compile.backend.observe_graphs() as graphs:
+            step(runner, batches[0])
+        with count_collectives() as counts:
+            step(runner, batches[1])
+        return sum(kind == "forward" for kind, _ in graphs), dict(counts)
+
+    def fallback_step(runner):
+        fsdp_compile.config.skip_fsdp_hooks = True
+        try:
+            with count_collectives() as counts:
+                step(runner, batches[1])
+        finally:
+            fsdp_compile.config.skip_fsdp_hooks = False
+        return dict(counts)
+
+    eager = shard_model(sharded_copy(reference), fsdp_compile.fully_shard)
+    with count_collectives() as eager_counts:
+        step(eager, batches[1])
+    alone = first_and_second_step(torch.compile(shard_model(sharded_copy(reference), fsdp_compile.fully_shard), backend="fsdp_aot_eager"))
+
+    torch._dynamo.reset()
+    fallback = torch.compile(shard_model(sharded_copy(reference), fsdp_compile.fully_shard), backend="aot_eager")
+    fallback_before = fallback_step(fallback)
+    after_fallback = first_and_second_step(torch.compile(shard_model(sharded_copy(reference), fsdp_compile.fully_shard), backend="fsdp_aot_eager"))
+    fallback_after = fallback_step(fallback)
+    return dict(eager_counts), alone, after_fallback, fallback_before, fallback_after
+
+
+def test_fallback_and_fsdp_inductor_models_in_one_process_keep_their_own_collectives(dist):
+    eager, alone, after_fallback, fallback_before, fallback_after = dist.run(2, _fallback_and_fsdp_inductor_in_one_process)[0]
+    # The fsdp_inductor model's graphs and collectives per step, and the fallback's (the eager
+    # runtime's), are the same whether or not the other model ran first in the process.
+    assert alone[0] >= 1, "the fsdp_inductor model compiled no graph"
+    assert after_fallback == alone, f"after a fallback model: {after_fallback}, alone: {alone}"
+    assert fallback_before == eager and fallback_after == eager, (fallback_before, fallback_after, eager)
