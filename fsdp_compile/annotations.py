@@ -9,12 +9,12 @@ checkout maps ``passes/`` in late, see ``_find_checkout_passes``).
 Example::
 
     {FSDP_ANNOTATION_KEY: True, GROUP_KEY: "layers.0", PARAM_KEY: "attention.wq.weight",
-     RESHARD_AFTER_FORWARD_KEY: True}
+     RESHARD_AFTER_FORWARD_KEY: True, STATE_KEY: 7}
 """
 from __future__ import annotations
 
 __all__ = [
-    "FSDP_ANNOTATION_KEY", "GROUP_KEY", "PARAM_KEY", "RESHARD_AFTER_FORWARD_KEY",
+    "FSDP_ANNOTATION_KEY", "GROUP_KEY", "PARAM_KEY", "RESHARD_AFTER_FORWARD_KEY", "STATE_KEY",
     "BUCKET_KEY", "GROUPS_KEY", "PARAMS_KEY",
 ]
 
@@ -23,6 +23,8 @@ FSDP_ANNOTATION_KEY = "fsdp"  # True: the tag that makes a node an FSDP node
 GROUP_KEY = "fsdp_group"  # the fully_shard group's label; a merged bucket's labels joined by "+"
 PARAM_KEY = "fsdp_param"  # the parameter's FQN in its module
 RESHARD_AFTER_FORWARD_KEY = "fsdp_reshard_after_forward"
+# The FSDPState's process-unique token: tells apart groups of the same label in two models.
+STATE_KEY = "fsdp_state"
 
 # Per bucket (passes/bucket.py), beside the keys above.
 BUCKET_KEY = "fsdp_bucket"  # "all_gather" | "reduce_scatter": present once a node is bucketed

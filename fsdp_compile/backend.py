@@ -141,18 +141,25 @@ def admit_traced_parameters(gm: fx.GraphModule) -> None:
     its model runs compiled (so an eager call into the model later initializes from the root
     instead of failing), and a parameter the graph cannot serve is refused.
 
-    Refused: a local shard with FSDP2's all-gather extension (``fsdp_pre_all_gather``): the traced
+    Refused: a group's settings that the graph cannot honour (``FSDPState.settings_refused_when_compiled``),
+    and a local shard with FSDP2's all-gather extension (``fsdp_pre_all_gather``): the traced
     unshard gathers the shard itself and would silently lose the extension.
     """
-    from fsdp_compile.passes.graph import GROUP_KEY, PARAM_KEY, fsdp_annotation
+    from fsdp_compile.passes.graph import PARAM_KEY, STATE_KEY, fsdp_annotation
     from fsdp_compile.state import live_states
 
-    traced = {(a[GROUP_KEY], a[PARAM_KEY]) for node in gm.graph.nodes if (a := fsdp_annotation(node)) is not None}
+    traced = {(a[STATE_KEY], a[PARAM_KEY]) for node in gm.graph.nodes if (a := fsdp_annotation(node)) is not None}
     for state in live_states():
         for fsdp_param in state.group.fsdp_params if state.group is not None else ():
-            if (state.group.label, fsdp_param.fqn) not in traced:
+            if (state.trace_token, fsdp_param.fqn) not in traced:
                 continue
             state.outermost().runs_compiled = True
+            refused = state.settings_refused_when_compiled()
+            if refused:
+                raise NotImplementedError(
+                    f"fsdp_inductor: the fully_shard group '{state.group.label}' has settings the compiled graph "
+                    "cannot honour: " + "; ".join(refused) + "."
+                )
             if fsdp_param.uses_all_gather_extension:
                 raise NotImplementedError(
                     f"fsdp_inductor: '{fsdp_param.fqn}' (group '{state.group.label}') has an all-gather extension "

@@ -94,8 +94,8 @@ class FSDPParam:
         self._extension_metadata: Any = None
         self._extension_outputs: list[torch.Tensor] = []
         self._extension_inner_tensors: list[torch.Tensor] = []
-        # Gradient kept unsharded across no-sync steps (set_requires_gradient_sync(False)).
-        self.unsharded_accumulated_grad: torch.Tensor | None = None
+        # The no-sync sum handed to a compiled forward by its root; see _stage_accumulated_grads.
+        self.staged_accumulated_grad: torch.Tensor | None = None
         self.sharded_state = ShardedState.SHARDED
         self.register_everywhere(self.sharded_param)
 
@@ -103,6 +103,34 @@ class FSDPParam:
         self.orig_dtype = orig_dtype
         self.param_dtype = self.mp_policy.param_dtype or orig_dtype
         self.reduce_dtype = self.mp_policy.reduce_dtype or self.param_dtype
+        pending = getattr(self, "accumulation_sink", None)
+        self.accumulation_sink = self._new_accumulation_sink()
+        if pending is not None and pending.grad is not None:
+            self.accumulation_sink.grad = pending.grad.to(self.reduce_dtype)
+
+    def _new_accumulation_sink(self) -> torch.Tensor:
+        """[Note: no-sync accumulation]
+        Between ``set_requires_gradient_sync(False)`` steps a parameter's unsharded gradient
+        accumulates (in ``reduce_dtype``) in the ``.grad`` of this leaf, and the next synced step
+        reduce-scatters it with that step's gradient. Eagerly, post-backward moves the gradient there
+        (``unsharded_accumulated_grad``); compiled, the traced unshard routes the gradient to the
+        leaf, so autograd accumulates it there, and the synced graph's root pre-forward takes the
+        sum out of ``.grad`` for the traced unshard to add (state.py, traceable.py). One place for
+        both, so eager and compiled micro-batches can mix. The leaf has the parameter's full shape
+        but, with zero strides, one element of storage.
+        """
+        shape = tuple(self.orig_size)
+        sink = torch.empty_strided(shape, (0,) * len(shape), dtype=self.reduce_dtype, device=self.device)
+        return sink.requires_grad_()
+
+    @property
+    def unsharded_accumulated_grad(self) -> torch.Tensor | None:
+        """The unsharded gradient summed over no-sync steps; see [Note: no-sync accumulation]."""
+        return self.accumulation_sink.grad
+
+    @unsharded_accumulated_grad.setter
+    def unsharded_accumulated_grad(self, value: torch.Tensor | None) -> None:
+        self.accumulation_sink.grad = value
 
     # --- registration on the modules ------------------------------------------------------------
     def register_everywhere(self, value: nn.Parameter) -> None:

@@ -11,6 +11,7 @@ post-backward missed (modules whose inputs need no grad), waits and resets the s
 """
 from __future__ import annotations
 
+import itertools
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,7 @@ __all__ = ["FSDPState", "state_of", "all_states_under", "live_states"]
 
 _STATE_ATTR = "_fsdp_compile_state"
 _live_states: "weakref.WeakSet[FSDPState]" = weakref.WeakSet()
+_trace_tokens = itertools.count()
 
 
 def live_states() -> list["FSDPState"]:
@@ -151,6 +153,8 @@ class FSDPState:
             module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
             module.register_forward_hook(self._post_forward_hook, prepend=False)
         _live_states.add(self)
+        # Names this state in the annotations of traced nodes (admit_traced_parameters in backend.py).
+        self.trace_token = next(_trace_tokens)
 
     @property
     def reshards_after_forward(self) -> bool:
@@ -172,20 +176,58 @@ class FSDPState:
             and not self.per_block_compiled and not self.reshards_after_forward
         )
 
+    def settings_refused_when_compiled(self) -> list[str]:
+        """This group's settings a traced graph cannot honour, each with the way out.
+
+        Read while a parameter read is traced, so Dynamo guards on every one: setting one after the
+        first compile recompiles, and the backend (``admit_traced_parameters``) refuses it then.
+        """
+        group = self.group
+        if group is None:
+            return []
+        refused = []
+        alternative = "use the eager runtime or per-block compile (block.compile()), which run the eager hooks"
+        if not group.reshard_after_backward:
+            refused.append(f"set_reshard_after_backward(False): the compiled step all-gathers in every forward; {alternative}")
+        if not group.requires_all_reduce and group.mesh_info.replicate_group is not None:
+            refused.append(f"set_requires_all_reduce(False): the compiled backward all-reduces every step; {alternative}")
+        if group.post_forward_mesh_info is not None:
+            refused.append(f"an int reshard_after_forward: the compiled graph re-gathers from the full shard group; pass True or False, or {alternative}")
+        if group.fsdp_params[0].offload_to_cpu:
+            refused.append(f"CPUOffloadPolicy: the compiled graph all-gathers device shards; {alternative}")
+        return refused
+
     def bound_params(self) -> list[torch.Tensor] | None:
         """The unsharded parameters a block's nested compile region runs with, while it runs
         (traced, or eagerly when Dynamo fell back on the region's body)."""
         return self.modules[0].__dict__.get(BOUND_PARAMS_ATTR)
 
-    def traced_unshard(self, fsdp_param: "FSDPParam") -> torch.Tensor:
-        """What a read of ``fsdp_param`` traces to under torch.compile; see traceable.py."""
+    def traced_unshard(self, fsdp_param: "FSDPParam", first_place: bool = True) -> torch.Tensor:
+        """What a read of ``fsdp_param`` traces to under torch.compile; see traceable.py.
+
+        ``first_place``: the read is through the parameter's first registered name, the one read
+        that adds the no-sync sum (a tied parameter is read once per name).
+        """
         group = self.group
         assert group is not None
         bound = self.bound_params()
         if bound is not None:  # inside the block's region: the unsharded parameter is an input
             return bound[fsdp_param.index_in_group]
-        annotation = trace_annotation(group.label, fsdp_param.fqn, self.reshards_after_forward)
-        return unshard_for_trace(fsdp_param.sharded_param, fsdp_param.layout, fsdp_param.param_dtype, group.reduce_spec, annotation)
+        if self.settings_refused_when_compiled():
+            pass  # the branch makes Dynamo guard on the settings; admit_traced_parameters refuses them
+        annotation = trace_annotation(group.label, fsdp_param.fqn, self.reshards_after_forward, self.trace_token)
+        accumulated = None
+        if group.requires_gradient_sync and first_place:
+            accumulated = fsdp_param.staged_accumulated_grad
+            sink = fsdp_param.accumulation_sink
+            if accumulated is None and sink.grad is not None:
+                # Compiled without its root (which stages the sums): take it here, which Dynamo
+                # allows outside higher-order ops such as activation checkpointing.
+                accumulated, sink.grad = sink.grad, None
+        return unshard_for_trace(
+            fsdp_param.sharded_param, fsdp_param.layout, fsdp_param.param_dtype, group.reduce_spec, annotation,
+            fsdp_param.accumulation_sink, group.requires_gradient_sync, accumulated,
+        )
 
     @property
     def label(self) -> str:
@@ -241,8 +283,29 @@ class FSDPState:
             # See [Note: parameter reads under torch.compile] in traceable.py.
             if config.skip_fsdp_hooks:  # FSDPModule.forward runs the hook eagerly
                 return args, kwargs
+            if self.outer is None and torch.is_grad_enabled():
+                self._stage_accumulated_grads()
             return self._cast_forward_inputs(args, kwargs)
         return self._pre_forward(module, args, kwargs)
+
+    def _stage_accumulated_grads(self) -> None:
+        """Root pre-forward under torch.compile: hand each synced parameter's no-sync sum to this
+        forward's traced unshard ([Note: no-sync accumulation] in param.py). Emptying the sink
+        happens here, outside any higher-order op: Dynamo refuses that mutation inside one (an
+        activation-checkpointed region reading the parameter). The root's post-forward lets go."""
+        for state in all_states_under(self.modules):
+            if state.group is None or not state.group.requires_gradient_sync:
+                continue
+            for fsdp_param in state.group.fsdp_params:
+                sink = fsdp_param.accumulation_sink
+                if sink.grad is not None:
+                    fsdp_param.staged_accumulated_grad, sink.grad = sink.grad, None
+
+    def _release_staged_grads(self) -> None:
+        for state in all_states_under(self.modules):
+            for fsdp_param in state.group.fsdp_params if state.group is not None else ():
+                if fsdp_param.staged_accumulated_grad is not None:
+                    fsdp_param.staged_accumulated_grad = None
 
     def _cast_forward_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
@@ -324,6 +387,8 @@ class FSDPState:
         if torch.compiler.is_compiling():
             if config.skip_fsdp_hooks:  # FSDPModule.forward runs the hook eagerly
                 return output
+            if self.outer is None:
+                self._release_staged_grads()
             return self._cast_output(output)
         return self._post_forward(module, args, output)
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import torch.fx.traceback as fx_traceback
 
 from fsdp_compile import config
-from fsdp_compile.annotations import FSDP_ANNOTATION_KEY, GROUP_KEY, PARAM_KEY, RESHARD_AFTER_FORWARD_KEY
+from fsdp_compile.annotations import FSDP_ANNOTATION_KEY, GROUP_KEY, PARAM_KEY, RESHARD_AFTER_FORWARD_KEY, STATE_KEY
 from fsdp_compile.collectives import ReduceSpec
 from fsdp_compile.layout import ShardLayout
 
@@ -31,38 +31,51 @@ __all__ = ["trace_annotation", "unshard_for_trace", "install_traced_param_access
 _functional = torch.ops._c10d_functional
 
 
-def trace_annotation(group: str, fqn: str, reshard_after_forward: bool) -> dict[str, object]:
+def trace_annotation(group: str, fqn: str, reshard_after_forward: bool, state_token: int) -> dict[str, object]:
     """What each node of one parameter's traced unshard carries in ``node.meta["custom"]``."""
     return {
         FSDP_ANNOTATION_KEY: True,
         GROUP_KEY: group,
         PARAM_KEY: fqn,
         RESHARD_AFTER_FORWARD_KEY: reshard_after_forward,
+        STATE_KEY: state_token,
     }
+
+
+def _gather(padded_shard: torch.Tensor, param_dtype: torch.dtype, shard_size: int, shard_group_name: str) -> torch.Tensor:
+    gathered = _functional.all_gather_into_tensor(padded_shard.to(param_dtype), shard_size, shard_group_name)
+    return _functional.wait_tensor(gathered)
 
 
 class _AllGatherShard(torch.autograd.Function):
     """Padded local shard (orig dtype, dim-0 view) -> gathered [world * chunk, ...] in param_dtype.
 
     The backward is the eager reduction of ``ReduceSpec``, field by field (plain values, so Dynamo
-    treats them as constants).
+    treats them as constants), of the gradient plus ``accumulated`` (the no-sync steps' sum, in
+    the gathered layout's rows, or None).
     """
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx, padded_shard: torch.Tensor, param_dtype: torch.dtype, reduce_dtype: torch.dtype, grad_dtype: torch.dtype,
-        pre_divide: float, post_divide: float, shard_size: int, shard_group_name: str, replicate_group_name: str | None,
+        ctx, padded_shard: torch.Tensor, accumulated: torch.Tensor | None, param_dtype: torch.dtype,
+        reduce_dtype: torch.dtype, grad_dtype: torch.dtype, pre_divide: float, post_divide: float, shard_size: int,
+        shard_group_name: str, replicate_group_name: str | None,
     ) -> torch.Tensor:
         ctx.reduce_dtype, ctx.grad_dtype = reduce_dtype, grad_dtype
         ctx.pre_divide, ctx.post_divide = pre_divide, post_divide
         ctx.shard_size, ctx.shard_group_name, ctx.replicate_group_name = shard_size, shard_group_name, replicate_group_name
-        cast = padded_shard.to(param_dtype)
-        gathered = _functional.all_gather_into_tensor(cast, shard_size, shard_group_name)
-        return _functional.wait_tensor(gathered)
+        ctx.has_accumulated = accumulated is not None
+        if accumulated is not None:
+            ctx.save_for_backward(accumulated)
+        return _gather(padded_shard, param_dtype, shard_size, shard_group_name)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         grad = grad.to(ctx.reduce_dtype)
+        if ctx.has_accumulated:
+            (accumulated,) = ctx.saved_tensors
+            # Eagerly the accumulated sum absorbs this step's gradient; the same addition, padded.
+            grad = grad + F.pad(accumulated, [0, 0] * (accumulated.dim() - 1) + [0, grad.shape[0] - accumulated.shape[0]])
         if ctx.pre_divide != 1.0:
             grad = grad / ctx.pre_divide
         reduced = _functional.wait_tensor(
@@ -72,20 +85,45 @@ class _AllGatherShard(torch.autograd.Function):
             reduced = _functional.wait_tensor(_functional.all_reduce(reduced, "sum", ctx.replicate_group_name))
         if ctx.post_divide != 1.0:
             reduced = reduced / ctx.post_divide
-        return reduced.to(ctx.grad_dtype), None, None, None, None, None, None, None, None
+        return reduced.to(ctx.grad_dtype), None, None, None, None, None, None, None, None, None
+
+
+class _AccumulateWithoutSync(torch.autograd.Function):
+    """The full parameter of a no-sync step: its gradient goes to the accumulation sink's
+    ``.grad`` (autograd sums it there) instead of a reduce-scatter; see [Note: no-sync accumulation]."""
+
+    @staticmethod
+    def forward(ctx, full: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.sink_dtype = sink.dtype
+        return full.view_as(full)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return None, grad.to(ctx.sink_dtype)
 
 
 def unshard_for_trace(
-    sharded: torch.Tensor, layout: ShardLayout, param_dtype: torch.dtype, spec: ReduceSpec, annotation: dict[str, object]
+    sharded: torch.Tensor, layout: ShardLayout, param_dtype: torch.dtype, spec: ReduceSpec, annotation: dict[str, object],
+    sink: torch.Tensor, requires_gradient_sync: bool, accumulated: torch.Tensor | None,
 ) -> torch.Tensor:
-    """The full parameter from its sharded DTensor, as traceable functional collectives."""
+    """The full parameter from its sharded DTensor, as traceable functional collectives.
+
+    ``sink`` is the parameter's accumulation leaf ([Note: no-sync accumulation] in param.py): a
+    no-sync step's gradient goes there. A synced step reduces its gradient plus ``accumulated``
+    (the sum taken from the sink, or None; Dynamo guards on which, so each case compiles once).
+    """
     with fx_traceback.annotate(annotation):
         local = layout.to_dim0(sharded.to_local())
         # Always pad (possibly by 0 rows): every rank must trace the same ops (fingerprint check).
         padding = [0, 0] * (local.dim() - 1) + [0, layout.chunk - local.shape[0]]
         padded = F.pad(local, padding)
+        if not requires_gradient_sync:
+            gathered = _gather(padded.detach(), param_dtype, spec.shard_size, spec.shard_group_name)
+            return _AccumulateWithoutSync.apply(layout.full_from_gathered(gathered), sink)
+        if accumulated is not None:
+            accumulated = layout.to_dim0(accumulated)
         gathered = _AllGatherShard.apply(
-            padded, param_dtype, spec.reduce_dtype, spec.grad_dtype, spec.pre_divide, spec.post_divide,
+            padded, accumulated, param_dtype, spec.reduce_dtype, spec.grad_dtype, spec.pre_divide, spec.post_divide,
             spec.shard_size, spec.shard_group_name, spec.replicate_group_name,
         )
         return layout.full_from_gathered(gathered)
@@ -104,7 +142,8 @@ def _param_property(name: str) -> property:
         if state.per_block_compiled:  # FSDP2's recipe: the hooks registered the unsharded parameter
             return module._parameters[name]
         if torch.compiler.is_compiling() and not config.skip_fsdp_hooks:
-            return state.traced_unshard(fsdp_param)
+            first = fsdp_param.refs[0]
+            return state.traced_unshard(fsdp_param, first_place=first.module is module and first.name == name)
         bound = state.bound_params()
         if bound is not None:  # a block region's body run eagerly: its inputs are the parameters
             return bound[fsdp_param.index_in_group]

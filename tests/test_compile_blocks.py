@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import fsdp_compile
 from fsdp_compile import MixedPrecisionPolicy, fully_shard
 from fsdp_compile.backend import observe_graphs
 from fsdp_compile.models import Transformer, TransformerConfig, next_token_loss

@@ -11,7 +11,6 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-import fsdp_compile
 from fsdp_compile import fully_shard
 from fsdp_compile.models import Transformer, TransformerConfig, next_token_loss
 from fsdp_testing import shard_model
