@@ -13,6 +13,7 @@ import os
 import queue
 import socket
 import sys
+import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
@@ -94,8 +95,11 @@ class DistributedPool:
         for task_queue, process in zip(self.tasks, self.processes):
             if process.is_alive():
                 task_queue.put(None)
+        # One grace period for all ranks, not one each: a rank that has not left by then (stuck in
+        # destroy_process_group with a failed peer) is killed, as it has nothing left to report.
+        deadline = time.monotonic() + 2.0
         for process in self.processes:
-            process.join(timeout=5)
+            process.join(timeout=max(0.0, deadline - time.monotonic()))
             if process.is_alive():
                 process.kill()
 

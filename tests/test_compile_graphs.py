@@ -1,15 +1,13 @@
 """Traced graphs of the compiled path, in one process with a fake process group (world 8 and 64)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 import fsdp_compile
-from fsdp_compile.backend import observe_graphs
 from fsdp_compile.graph_check import collective_fingerprint
-from fsdp_compile.models import Transformer, TransformerConfig
 from fsdp_compile.passes.graph import GROUP_KEY, PARAM_KEY, fsdp_annotation, pass_counters
-
-CONFIG = TransformerConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=16)
+from test_passes_bucket import _traced
 
 
 def _ops(graph_module, name):
@@ -17,22 +15,10 @@ def _ops(graph_module, name):
 
 
 def _traced_graphs(reshard_root=None, passes=None):
-    torch.manual_seed(0)
-    model = Transformer(CONFIG)
-    for layer in model.layers:
-        fsdp_compile.fully_shard(layer)
-    fsdp_compile.fully_shard(model, reshard_after_forward=reshard_root)
-    previous = fsdp_compile.config.passes
-    fsdp_compile.config.passes = passes or previous
-    try:
-        with observe_graphs() as graphs:
-            compiled = torch.compile(model, backend="fsdp_aot_eager", fullgraph=True)
-            compiled(torch.randint(0, CONFIG.vocab_size, (2, 8))).sum().backward()
-    finally:
-        fsdp_compile.config.passes = previous
-    forward = next(g for kind, g in graphs if kind == "forward")
-    backward = next(g for kind, g in graphs if kind == "backward")
-    return model, forward, backward
+    """(model, forward, backward) of test_passes_bucket.py's model, passes ``passes`` (default:
+    ``fsdp_compile.config.passes``), as fsdp_aot_eager compiles them; one trace per world size and
+    ``reshard_root`` (see [Note: traced once, passes on copies] there)."""
+    return _traced(passes or fsdp_compile.config.passes, reshard_root=reshard_root)
 
 
 def test_graphs_hold_one_all_gather_per_parameter_and_one_reduce_scatter_per_read(fake_world):
@@ -88,6 +74,7 @@ def test_reshard_after_forward_groups_re_all_gather_instead_of_saving(fake_world
     assert pass_counters["bucket.gave_up"] == pass_counters["reorder.gave_up"] == 0
 
 
+@pytest.mark.parametrize("fake_world", [8], indirect=True)  # a trace of its own; what is saved is not about scale
 def test_root_with_reshard_after_forward_true_saves_nothing_unsharded(fake_world):
     _, forward, backward = _traced_graphs(reshard_root=True)
     assert _saved_all_gather_outputs(forward) == []

@@ -11,7 +11,9 @@ from benchmarks.cost_model import (
 )
 from fsdp_compile.config import PassConfig
 from fsdp_compile.models import Transformer, TransformerConfig
+from fsdp_compile.passes import apply_post_grad_passes
 from fsdp_compile.passes.graph import COLLECTIVES, WAIT
+from test_passes_bucket import _copy
 
 CONFIG = TransformerConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=16)
 BATCH, SEQ = 2, 8
@@ -87,9 +89,14 @@ _traced: dict[tuple[int, PassConfig], tuple] = {}
 
 
 def _graphs(world: int, passes: PassConfig):
-    """(forward, backward) of the tiny model; traced once per world and configuration."""
+    """(forward, backward) of the tiny model, traced once per world without passes; other ``passes``
+    run on copies of those graphs, as fsdp_aot_eager runs them on its graphs (see [Note: traced once,
+    passes on copies] in test_passes_bucket.py)."""
     if (world, passes) not in _traced:
-        _traced[world, passes] = trace_graphs(CONFIG, passes, batch=BATCH, seq=SEQ)
+        if passes == NO_PASSES:
+            _traced[world, passes] = trace_graphs(CONFIG, passes, batch=BATCH, seq=SEQ)
+        else:
+            _traced[world, passes] = tuple(apply_post_grad_passes(_copy(gm), passes) for gm in _graphs(world, NO_PASSES))
     return _traced[world, passes]
 
 

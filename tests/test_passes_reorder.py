@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.fx as fx
@@ -16,7 +17,7 @@ from fsdp_compile.passes.graph import (
     ALL_GATHER, ALL_REDUCE, COLLECTIVES, GROUP_KEY, REDUCE_SCATTER, WAIT, collective_bytes, collective_nodes,
     fsdp_annotation, inflight_bytes, inflight_collectives, max_inflight_bytes, pass_counters,
 )
-from test_passes_bucket import CONFIG, _graphs
+from test_passes_bucket import CONFIG, _graphs, _trace
 
 _SHORT = {ALL_GATHER: "AG", REDUCE_SCATTER: "RS"}
 
@@ -120,10 +121,12 @@ def _assert_within_budget(graph: fx.Graph, budget: int) -> None:
         assert sum(flying.values()) <= budget or len(flying) == 1, (budget, node.name, flying)
 
 
+@pytest.mark.parametrize("fake_world", [8], indirect=True)  # a new trace; agreeing is not about scale
 def test_the_same_graph_yields_the_same_schedule(fake_world):
     config = PassConfig(prefetch_depth=2, max_inflight_bytes=100_000)
+    # Two traces: the shared one (passes on a copy) and a new one, reordered by the backend.
     first, first_backward = _graphs(config)
-    second, second_backward = _graphs(config)
+    _, second, second_backward = _trace(config)
     assert first.code == second.code
     assert first_backward.code == second_backward.code
 
@@ -196,7 +199,7 @@ def test_timeline_prints_the_bytes_the_budget_counts():
 
 def test_inductor_keeps_the_prefetch_order():
     """The generated forward issues layers.1's all-gather before layers.0's matmuls (world 8 only:
-    Inductor's compile takes ~20 s)."""
+    Inductor's compile takes ~10 s)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from fsdp_compile.models import Transformer
@@ -228,7 +231,9 @@ def _inductor_forward_code(model_class) -> str:
     try:
         compiled = torch.compile(model, backend="fsdp_inductor", fullgraph=True)
         tokens = torch.randint(0, CONFIG.vocab_size, (2, 8))
-        _, (forward_code, *_) = run_and_get_code(lambda: compiled(tokens).sum().backward())
+        # The training forward (the parameters require grad); AOTAutograd compiles the backward
+        # lazily, at the first backward, which this test has no use for.
+        _, (forward_code, *_) = run_and_get_code(lambda: compiled(tokens))
     finally:
         fsdp_compile.config.passes = previous
     return forward_code
@@ -269,7 +274,8 @@ def test_deeper_prefetch_under_a_budget_trains_like_eager(dist):
     """Default schedule: tests/test_compile.py; here depth 2 with a budget of about one block."""
     from test_compile import _assert_matches_eager
 
-    for result in dist.run(2, _reordered_training_matches_eager, 2, 120_000):
+    # test_compile trains the UNEVEN model: a block gathers about 21 kB in fp32.
+    for result in dist.run(2, _reordered_training_matches_eager, 2, 24_000):
         _assert_matches_eager(result)
 
 
