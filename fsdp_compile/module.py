@@ -1,9 +1,11 @@
 """``fully_shard`` and ``FSDPModule``: the user-facing entry of the eager runtime."""
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, overload
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -18,7 +20,7 @@ from fsdp_compile.state_dict import register_state_dict_hooks
 from fsdp_compile import config
 from fsdp_compile.traceable import BOUND_PARAMS_ATTR, install_traced_param_access
 
-__all__ = ["fully_shard", "FSDPModule", "UnshardHandle"]
+__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
 
 # Set on each original parameter a fully_shard call takes: the call's label. An attribute, not a
 # weak mapping: tensors compare elementwise, and weak references block torch.utils.swap_tensors.
@@ -191,6 +193,43 @@ class FSDPModule:
         for everything queued on the compute stream (see [Note: stream protocol] in comm_context.py)."""
         self._fsdp_state().comm.post_optim_event = event
 
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """FSDP2's older name of :meth:`set_gradient_divide_factor`."""
+        self.set_gradient_divide_factor(factor)
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """``False``: backward needs none of this module's parameters (an embedding, whose gradient
+        needs only the indices), so it does not all-gather them; their gradients are still reduced."""
+        for group in self._groups(recurse=False):
+            group.unshard_in_backward = unshard_in_backward
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """FSDP2: reduce with ``ReduceOp.SUM`` only, scaling before and after. Ours always does
+        (``ReduceSpec``'s pre- and post-divide around a SUM reduce-scatter), so either value
+        keeps that; accepted for scripts written for FSDP2."""
+        if not isinstance(enable, bool):
+            raise TypeError(f"set_force_sum_reduction_for_comms takes a bool, got {enable!r}")
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """FSDP2's symmetric-memory all-gather buffers (NCCL only): not supported by fsdp_compile."""
+        self._refuse_nccl_buffers("set_symm_mem_for_comm")
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """FSDP2's process-group-allocated staging buffers (NCCL zero-copy): not supported by fsdp_compile."""
+        if enable:
+            self._refuse_nccl_buffers("set_allocate_memory_from_process_group_for_comm")
+
+    def _refuse_nccl_buffers(self, method: str) -> None:
+        backend = dist.get_backend() if dist.is_initialized() else "none"
+        reason = (
+            f"it needs the NCCL backend and this job runs '{backend}'" if backend != "nccl"
+            else "fsdp_compile allocates its own all-gather and reduce-scatter buffers (not yet verified with NCCL's)"
+        )
+        raise NotImplementedError(
+            f"fsdp_compile: {method}() on '{self._fsdp_state().label}' is not supported: {reason}. "
+            "Leave it out; communication buffers come from the caching allocator."
+        )
+
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide summed gradients by ``factor`` instead of the data-parallel world size."""
         for state in self._fsdp_state().states_under(recurse=True):
@@ -207,6 +246,37 @@ class FSDPModule:
             for fsdp_param in group.fsdp_params:
                 fsdp_param.reset_after_module_apply()
         return result
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>`` run like ``forward`` for FSDP: the parameters are all-gathered
+    before it and resharded after it, and its backward reduces their gradients (FSDP2's
+    ``register_fsdp_forward_method``, for methods such as ``generate`` that use parameters without
+    calling ``forward``).
+
+    Example::
+
+        fully_shard(model)
+        register_fsdp_forward_method(model, "generate")
+        model.generate(prompt)
+    """
+    if not isinstance(module, FSDPModule):
+        raise ValueError(
+            f"register_fsdp_forward_method: {type(module).__name__} is not managed by fully_shard; call "
+            "fully_shard(module) first."
+        )
+    method = getattr(module, method_name, None)
+    if not callable(method):
+        raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} has no method '{method_name}'.")
+
+    @functools.wraps(method)
+    def run_as_forward(*args: Any, **kwargs: Any) -> Any:
+        state = module._fsdp_state()
+        args, kwargs = state._pre_forward_hook(module, args, kwargs)
+        output = method(*args, **kwargs)
+        return state._post_forward_hook(module, args, output)
+
+    module.__dict__[method_name] = run_as_forward
 
 
 def _run_block_with(module: nn.Module, unsharded: list[torch.Tensor], args: tuple, kwargs: dict) -> Any:

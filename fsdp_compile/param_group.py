@@ -70,6 +70,9 @@ class FSDPParamGroup:
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
         self.requires_all_reduce = True
+        # False (set_unshard_in_backward): backward needs none of the parameters (an embedding), so
+        # it neither all-gathers nor prefetches them; their gradients are still reduced.
+        self.unshard_in_backward = True
         self.gradient_divide_factor: float | None = None
         self.training_state = TrainingState.IDLE
         self.sharded_state = ShardedState.SHARDED
@@ -211,7 +214,8 @@ class FSDPParamGroup:
     @_eager_only
     def pre_backward(self) -> None:
         self.training_state = TrainingState.PRE_BACKWARD
-        self.unshard("backward")
+        if self.unshard_in_backward:
+            self.unshard("backward")
 
     @_eager_only
     def post_backward(self) -> None:

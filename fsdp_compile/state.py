@@ -471,7 +471,8 @@ class FSDPState:
         group.pre_backward()
         if self.backward_prefetch_mode == BackwardPrefetch.BACKWARD_PRE:
             self._prefetch_backward(ctx)
-        group.wait_for_unshard()
+        if group.unshard_in_backward:
+            group.wait_for_unshard()
 
     def _prefetch_backward(self, ctx: _RootContext) -> None:
         if self.backward_prefetch is not None:
@@ -482,7 +483,7 @@ class FSDPState:
         else:
             targets = []
         for target in targets:
-            if target.training_state != TrainingState.POST_BACKWARD:
+            if target.training_state != TrainingState.POST_BACKWARD and target.unshard_in_backward:
                 target.unshard("backward-prefetch")
 
     def _post_backward(self) -> None:
