@@ -230,6 +230,22 @@ class FSDPModule:
             "Leave it out; communication buffers come from the caching allocator."
         )
 
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
+        """``hook(reduced)`` runs in place on this module's reduced gradients, once per backward:
+        on the reduce-scatter output (FSDP) or the all-reduce output (HSDP), before the divide by
+        the post-divide factor and the copy into ``.grad`` (for example a tensor-parallel all-reduce).
+
+        ``stream`` (CUDA, not with HSDP): run the hook on that stream, ordered after the reduction
+        and before the copy-out.
+        """
+        for group in self._groups(recurse=False):
+            if stream is not None and group.mesh_info.replicate_group is not None:
+                raise ValueError(
+                    f"set_all_reduce_hook on '{self._fsdp_state().label}': stream cannot be set with HSDP (the hook "
+                    "runs after the replicas' all-reduce, on its stream)."
+                )
+            group.all_reduce_hook, group.all_reduce_hook_stream = hook, stream
+
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide summed gradients by ``factor`` instead of the data-parallel world size."""
         for state in self._fsdp_state().states_under(recurse=True):

@@ -73,6 +73,10 @@ class FSDPParamGroup:
         # False (set_unshard_in_backward): backward needs none of the parameters (an embedding), so
         # it neither all-gathers nor prefetches them; their gradients are still reduced.
         self.unshard_in_backward = True
+        # set_all_reduce_hook: runs in place on each reduced gradient buffer (the reduce-scatter
+        # output, or the HSDP all-reduce output) before the post-divide and copy-out.
+        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+        self.all_reduce_hook_stream: Any = None
         self.gradient_divide_factor: float | None = None
         self.training_state = TrainingState.IDLE
         self.sharded_state = ShardedState.SHARDED
@@ -265,6 +269,8 @@ class FSDPParamGroup:
                 self._partial_reduce_output = reduced
                 return
             collectives.all_reduce_replicas(reduced, self.mesh_info.replicate_group, self.label)
+        if self.all_reduce_hook is not None:
+            self._run_all_reduce_hook(reduced)
         outs, had_grad = zip(*(p.sharded_grad_out() for p in params))
         accumulate = any(had_grad)
         if accumulate and not all(had_grad):
@@ -289,6 +295,19 @@ class FSDPParamGroup:
                 fsdp_param.set_sharded_grad(out)
         for fsdp_param in params:
             fsdp_param.run_post_accumulate_grad_hooks()
+
+    def _run_all_reduce_hook(self, reduced: torch.Tensor) -> None:
+        hook, stream = self.all_reduce_hook, self.all_reduce_hook_stream
+        assert hook is not None
+        if stream is None:
+            hook(reduced)
+            return
+        handle, current = self.comm.handle, self.comm.handle.current_stream()
+        handle.wait_stream(stream, current)
+        with handle.on_stream(stream, "all_reduce_hook"):
+            hook(reduced)
+        handle.keep_alive(reduced, stream)
+        handle.wait_stream(current, stream)
 
     @_eager_only
     def finalize_backward(self) -> None:

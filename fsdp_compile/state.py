@@ -193,6 +193,8 @@ class FSDPState:
             refused.append(f"set_requires_all_reduce(False): the compiled backward all-reduces every step; {alternative}")
         if group.post_forward_mesh_info is not None:
             refused.append(f"an int reshard_after_forward: the compiled graph re-gathers from the full shard group; pass True or False, or {alternative}")
+        if group.all_reduce_hook is not None:
+            refused.append(f"set_all_reduce_hook: the compiled graph's reductions cannot call a Python hook; {alternative}")
         if group.fsdp_params[0].offload_to_cpu:
             refused.append(f"CPUOffloadPolicy: the compiled graph all-gathers device shards; {alternative}")
         return refused

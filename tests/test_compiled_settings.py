@@ -94,6 +94,9 @@ def _refused(setting: str) -> str:
     for block in model.blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **{k: v for k, v in kwargs.items() if k != "reshard_after_forward"})
+    if setting == "all_reduce_hook":
+        for block in model.blocks:  # the root holds no parameters of its own
+            block.set_all_reduce_hook(lambda reduced: None)
     compiled = torch.compile(model, backend="fsdp_aot_eager")
     inputs = torch.randn(4, 8)
     if setting in ("reshard_after_backward", "requires_all_reduce"):
@@ -117,6 +120,7 @@ def _refused(setting: str) -> str:
         ("requires_all_reduce", "set_requires_all_reduce(False)"),
         ("int_reshard_after_forward", "an int reshard_after_forward"),
         ("offload", "CPUOffloadPolicy"),
+        ("all_reduce_hook", "set_all_reduce_hook"),
     ],
 )
 def test_settings_the_graph_cannot_honour_are_refused_naming_the_setting_and_the_way_out(dist, setting, named):

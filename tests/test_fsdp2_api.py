@@ -49,6 +49,13 @@ def _api_effects() -> dict:
     summed.set_reduce_scatter_divide_factor(1.0)
     out["summed_vs_world_times_mean"] = _max_gap(_grads_after_backward(summed, tokens), [g * dist.get_world_size() for g in default])
 
+    # set_all_reduce_hook: in place on each reduced buffer, before the post-divide (doubling here).
+    hooked, calls = _sharded_model(), []
+    for module in (*hooked.layers, hooked):
+        module.set_all_reduce_hook(lambda reduced: (calls.append(reduced.numel()), reduced.mul_(2)))
+    out["hooked_vs_twice"] = _max_gap(_grads_after_backward(hooked, tokens), [2 * g for g in default])
+    out["hook_calls"] = len(calls)
+
     # set_unshard_in_backward(False) on the embedding's group: its backward all-gather goes away.
     gathered = {}
     for unshard in (True, False):
@@ -97,6 +104,7 @@ def _api_effects() -> dict:
 def test_fsdp2_api_methods_change_what_they_say(dist):
     result = dist.run(2, _api_effects)[0]
     assert result["summed_vs_world_times_mean"] < 1e-6
+    assert result["hooked_vs_twice"] < 1e-6 and result["hook_calls"] == 3  # once per group: 2 blocks + root
     # The embedding's group ("tok_embeddings") is gathered in forward only; the blocks in both.
     with_unshard, without = result["backward_all_gathers"][True], result["backward_all_gathers"][False]
     assert "tok_embeddings" in with_unshard and "tok_embeddings" not in without, result["backward_all_gathers"]
