@@ -150,16 +150,17 @@ def admit_traced_parameters(gm: fx.GraphModule) -> None:
 
     traced = {(a[STATE_KEY], a[PARAM_KEY]) for node in gm.graph.nodes if (a := fsdp_annotation(node)) is not None}
     for state in live_states():
-        for fsdp_param in state.group.fsdp_params if state.group is not None else ():
-            if (state.trace_token, fsdp_param.fqn) not in traced:
-                continue
-            state.outermost().runs_compiled = True
-            refused = state.settings_refused_when_compiled()
-            if refused:
-                raise NotImplementedError(
-                    f"fsdp_inductor: the fully_shard group '{state.group.label}' has settings the compiled graph "
-                    "cannot honour: " + "; ".join(refused) + "."
-                )
+        read = [p for p in state.group.fsdp_params if (state.trace_token, p.fqn) in traced] if state.group is not None else []
+        if not read:
+            continue
+        state.outermost().runs_compiled = True
+        refused = state.settings_refused_when_compiled()
+        if refused:
+            raise NotImplementedError(
+                f"fsdp_inductor: the fully_shard group '{state.group.label}' has settings the compiled graph "
+                "cannot honour: " + "; ".join(refused) + "."
+            )
+        for fsdp_param in read:
             if fsdp_param.uses_all_gather_extension:
                 raise NotImplementedError(
                     f"fsdp_inductor: '{fsdp_param.fqn}' (group '{state.group.label}') has an all-gather extension "

@@ -132,6 +132,13 @@ class FSDPParam:
     def unsharded_accumulated_grad(self, value: torch.Tensor | None) -> None:
         self.accumulation_sink.grad = value
 
+    def pop_accumulated_grad(self) -> torch.Tensor | None:
+        """Remove and return the no-sync sum (None when there is none)."""
+        accumulated = self.accumulation_sink.grad
+        if accumulated is not None:
+            self.accumulation_sink.grad = None
+        return accumulated
+
     # --- registration on the modules ------------------------------------------------------------
     def register_everywhere(self, value: nn.Parameter) -> None:
         """Make ``value`` what every place of this parameter holds (tied names share it).
@@ -409,8 +416,7 @@ class FSDPParam:
         grad = None if param is None else param.grad
         if param is not None:
             param.grad = None
-        accumulated = self.unsharded_accumulated_grad
-        self.unsharded_accumulated_grad = None
+        accumulated = self.pop_accumulated_grad()
         if accumulated is None:
             return grad
         if grad is not None:

@@ -221,11 +221,10 @@ class FSDPState:
         accumulated = None
         if group.requires_gradient_sync and first_place:
             accumulated = fsdp_param.staged_accumulated_grad
-            sink = fsdp_param.accumulation_sink
-            if accumulated is None and sink.grad is not None:
+            if accumulated is None:
                 # Compiled without its root (which stages the sums): take it here, which Dynamo
                 # allows outside higher-order ops such as activation checkpointing.
-                accumulated, sink.grad = sink.grad, None
+                accumulated = fsdp_param.pop_accumulated_grad()
         return unshard_for_trace(
             fsdp_param.sharded_param, fsdp_param.layout, fsdp_param.param_dtype, group.reduce_spec, annotation,
             fsdp_param.accumulation_sink, group.requires_gradient_sync, accumulated,
@@ -299,9 +298,9 @@ class FSDPState:
             if state.group is None or not state.group.requires_gradient_sync:
                 continue
             for fsdp_param in state.group.fsdp_params:
-                sink = fsdp_param.accumulation_sink
-                if sink.grad is not None:
-                    fsdp_param.staged_accumulated_grad, sink.grad = sink.grad, None
+                accumulated = fsdp_param.pop_accumulated_grad()
+                if accumulated is not None:
+                    fsdp_param.staged_accumulated_grad = accumulated
 
     def _release_staged_grads(self) -> None:
         for state in all_states_under(self.modules):

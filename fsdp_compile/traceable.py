@@ -42,6 +42,11 @@ def trace_annotation(group: str, fqn: str, reshard_after_forward: bool, state_to
     }
 
 
+def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """``tensor`` with ``rows`` zero rows appended on dim 0 (an op even when ``rows`` is 0)."""
+    return F.pad(tensor, [0, 0] * (tensor.dim() - 1) + [0, rows])
+
+
 def _gather(padded_shard: torch.Tensor, param_dtype: torch.dtype, shard_size: int, shard_group_name: str) -> torch.Tensor:
     gathered = _functional.all_gather_into_tensor(padded_shard.to(param_dtype), shard_size, shard_group_name)
     return _functional.wait_tensor(gathered)
@@ -75,7 +80,7 @@ class _AllGatherShard(torch.autograd.Function):
         if ctx.has_accumulated:
             (accumulated,) = ctx.saved_tensors
             # Eagerly the accumulated sum absorbs this step's gradient; the same addition, padded.
-            grad = grad + F.pad(accumulated, [0, 0] * (accumulated.dim() - 1) + [0, grad.shape[0] - accumulated.shape[0]])
+            grad = grad + _pad_rows(accumulated, grad.shape[0] - accumulated.shape[0])
         if ctx.pre_divide != 1.0:
             grad = grad / ctx.pre_divide
         reduced = _functional.wait_tensor(
@@ -115,8 +120,7 @@ def unshard_for_trace(
     with fx_traceback.annotate(annotation):
         local = layout.to_dim0(sharded.to_local())
         # Always pad (possibly by 0 rows): every rank must trace the same ops (fingerprint check).
-        padding = [0, 0] * (local.dim() - 1) + [0, layout.chunk - local.shape[0]]
-        padded = F.pad(local, padding)
+        padded = _pad_rows(local, layout.chunk - local.shape[0])
         if not requires_gradient_sync:
             gathered = _gather(padded.detach(), param_dtype, spec.shard_size, spec.shard_group_name)
             return _AccumulateWithoutSync.apply(layout.full_from_gathered(gathered), sink)

@@ -103,6 +103,18 @@ def train_sharded(
     return losses
 
 
+def max_difference(sharded: list[torch.Tensor | None], reference: list[torch.Tensor | None]) -> float:
+    """Largest elementwise gap; a missing gradient on either side is an infinite gap."""
+    worst = 0.0
+    for mine, theirs in zip(sharded, reference, strict=True):
+        if mine is None or theirs is None:
+            if mine is not theirs:
+                return float("inf")
+            continue
+        worst = max(worst, (mine.float() - theirs.float()).abs().max().item())
+    return worst
+
+
 def max_param_difference(sharded: nn.Module, reference: nn.Module) -> float:
     """Largest |sharded - reference| over all parameters (gathers each DTensor: collective)."""
     worst = 0.0

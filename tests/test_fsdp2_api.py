@@ -12,7 +12,7 @@ import fsdp_compile
 import fsdp_compile.collectives as collectives
 from fsdp_compile import fully_shard, register_fsdp_forward_method
 from fsdp_compile.models import Transformer, TransformerConfig, next_token_loss
-from fsdp_testing import count_process_group_calls, shard_model
+from fsdp_testing import count_process_group_calls, max_difference, shard_model
 
 # Untied: the embedding is a group of its own (set_unshard_in_backward below).
 TINY = TransformerConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, max_seq_len=16, tie_embeddings=False)
@@ -35,10 +35,6 @@ def _grads_after_backward(model: Transformer, tokens: torch.Tensor) -> list[torc
     return [p.grad.full_tensor() for p in model.parameters()]
 
 
-def _max_gap(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
-
-
 def _api_effects() -> dict:
     tokens = _tokens(seed=dist.get_rank())
     default = _grads_after_backward(_sharded_model(), tokens)
@@ -47,13 +43,13 @@ def _api_effects() -> dict:
     # set_reduce_scatter_divide_factor(1.0): summed, not averaged, gradients.
     summed = _sharded_model()
     summed.set_reduce_scatter_divide_factor(1.0)
-    out["summed_vs_world_times_mean"] = _max_gap(_grads_after_backward(summed, tokens), [g * dist.get_world_size() for g in default])
+    out["summed_vs_world_times_mean"] = max_difference(_grads_after_backward(summed, tokens), [g * dist.get_world_size() for g in default])
 
     # set_all_reduce_hook: in place on each reduced buffer, before the post-divide (doubling here).
     hooked, calls = _sharded_model(), []
     for module in (*hooked.layers, hooked):
         module.set_all_reduce_hook(lambda reduced: (calls.append(reduced.numel()), reduced.mul_(2)))
-    out["hooked_vs_twice"] = _max_gap(_grads_after_backward(hooked, tokens), [2 * g for g in default])
+    out["hooked_vs_twice"] = max_difference(_grads_after_backward(hooked, tokens), [2 * g for g in default])
     out["hook_calls"] = len(calls)
 
     # set_unshard_in_backward(False) on the embedding's group: its backward all-gather goes away.
@@ -67,7 +63,7 @@ def _api_effects() -> dict:
         gathered[unshard] = sorted(r.group for r in log if r.kind == "all_gather")
         out[f"grads_unshard_{unshard}"] = [p.grad.full_tensor() for p in model.parameters()]
     out["backward_all_gathers"] = gathered
-    out["unshard_in_backward_grad_gap"] = _max_gap(out.pop("grads_unshard_True"), out.pop("grads_unshard_False"))
+    out["unshard_in_backward_grad_gap"] = max_difference(out.pop("grads_unshard_True"), out.pop("grads_unshard_False"))
 
     # set_force_sum_reduction_for_comms(True): every reduce-scatter is a SUM (ours always is).
     ops = []
@@ -81,7 +77,7 @@ def _api_effects() -> dict:
     forced.set_force_sum_reduction_for_comms(True)
     collectives._reduce_scatter_single = recording
     try:
-        out["forced_sum_grad_gap"] = _max_gap(_grads_after_backward(forced, tokens), default)
+        out["forced_sum_grad_gap"] = max_difference(_grads_after_backward(forced, tokens), default)
     finally:
         collectives._reduce_scatter_single = original
     out["reduce_ops"] = sorted({str(op) for op in ops})
@@ -156,7 +152,7 @@ def _forward_method() -> dict:
         not_fsdp = str(error)
     return {
         "loss_gap": abs(loss.item() - expected.item()),
-        "grad_gap": _max_gap(grads, mean_grads),
+        "grad_gap": max_difference(grads, mean_grads),
         "kinds": sorted(r.kind for r in log),
         "not_fsdp": not_fsdp,
     }

@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 import fsdp_compile
 from fsdp_compile import FSDPModule, MixedPrecisionPolicy, fully_shard
-from fsdp_testing import count_process_group_calls, local_part
+from fsdp_testing import count_process_group_calls, local_part, max_difference
 
 DIM = 8
 
@@ -29,18 +29,6 @@ def _batches(steps: int, rows_per_rank: int = 2, dtype: torch.dtype = torch.floa
 
 def _full_grads(model: nn.Module) -> list[torch.Tensor | None]:
     return [None if p.grad is None else p.grad.full_tensor() for p in model.parameters()]
-
-
-def _max_difference(sharded: list[torch.Tensor | None], reference: list[torch.Tensor | None]) -> float:
-    """Largest elementwise gap; a missing gradient on either side is an infinite gap."""
-    worst = 0.0
-    for mine, theirs in zip(sharded, reference, strict=True):
-        if mine is None or theirs is None:
-            if mine is not theirs:
-                return float("inf")
-            continue
-        worst = max(worst, (mine.float() - theirs.float()).abs().max().item())
-    return worst
 
 
 def _sgd_steps(model: nn.Module, batches: list[torch.Tensor], loss_fn, shard: bool, runner=None) -> list[torch.Tensor]:
@@ -94,8 +82,8 @@ def _grouped_modules_keep_every_gradient(param_dtype_name: str | None, compile_m
     ours_grads = _full_grads(ours)
     return {
         "missing_grads": [name for (name, _), grad in zip(ours.named_parameters(), ours_grads) if grad is None],
-        "vs_reference": _max_difference(ours_grads, [p.grad for p in reference.parameters()]),
-        "vs_fsdp2": _max_difference(ours_grads, _full_grads(theirs)),
+        "vs_reference": max_difference(ours_grads, [p.grad for p in reference.parameters()]),
+        "vs_fsdp2": max_difference(ours_grads, _full_grads(theirs)),
     }
 
 
@@ -152,8 +140,8 @@ def _optimizer_in_backward(compile_mode: str | None):
         "fired_per_step": fired_per_step,
         "params": len(list(model.parameters())),
         "grads_left": grads_left,
-        "vs_reference": _max_difference([p.full_tensor() for p in model.parameters()], expected),
-        "moved": _max_difference(expected, initial),
+        "vs_reference": max_difference([p.full_tensor() for p in model.parameters()], expected),
+        "moved": max_difference(expected, initial),
     }
 
 
@@ -207,8 +195,8 @@ def _checkpointing_with_mixed_precision(compile_mode: str | None):
         results[checkpointed] = (final, output_dtypes)
     (plain, plain_dtypes), (recomputed, recomputed_dtypes) = results[False], results[True]
     return {
-        "checkpointed_vs_plain": _max_difference(recomputed, plain),
-        "moved": _max_difference(plain, initial),
+        "checkpointed_vs_plain": max_difference(recomputed, plain),
+        "moved": max_difference(plain, initial),
         "plain_output_dtypes": {str(d) for d in plain_dtypes},
         "recomputed_output_dtypes": {str(d) for d in recomputed_dtypes},
     }
@@ -292,7 +280,7 @@ def _structured_activations(compile_mode: str | None):
     initial = [p.detach().clone() for p in reference.parameters()]
     ours = _sgd_steps(model, batches, loss_fn, shard=True, runner=_compiled(model, compile_mode))
     expected = _sgd_steps(reference, batches, loss_fn, shard=False)
-    return {"vs_reference": _max_difference(ours, expected), "moved": _max_difference(expected, initial)}
+    return {"vs_reference": max_difference(ours, expected), "moved": max_difference(expected, initial)}
 
 
 @pytest.mark.parametrize("compile_mode", [None, "fsdp_inductor"])
@@ -317,7 +305,7 @@ def _to_float64_after_fully_shard():
     loss_fn = lambda out: out.pow(2).mean()  # noqa: E731
     ours = _sgd_steps(model, batches, loss_fn, shard=True)
     expected = _sgd_steps(reference, batches, loss_fn, shard=False)
-    return {"dtypes": dtypes, "grad_dtypes": {str(p.grad) for p in model.parameters()}, "vs_reference": _max_difference(ours, expected)}
+    return {"dtypes": dtypes, "grad_dtypes": {str(p.grad) for p in model.parameters()}, "vs_reference": max_difference(ours, expected)}
 
 
 def test_module_to_float64_after_fully_shard_moves_the_shards_and_computes_in_float64(dist):
@@ -345,7 +333,7 @@ def _reassigned_after_meta_init():
     loss_fn = lambda out: out.pow(2).mean()  # noqa: E731
     ours = _sgd_steps(model, batches, loss_fn, shard=True)
     expected = _sgd_steps(reference, batches, loss_fn, shard=False)
-    return {"registered_are_shards": registered_are_shards, "vs_reference": _max_difference(ours, expected)}
+    return {"registered_are_shards": registered_are_shards, "vs_reference": max_difference(ours, expected)}
 
 
 def test_parameter_assigned_after_fully_shard_is_sharded_and_trained(dist):
@@ -454,14 +442,14 @@ def _chunked_loss(grouping: str, style: str, compile_mode: str | None):
         _chunk_losses(model, runner(local_tokens), local_targets, style, normalizer=local_targets.numel())
         _chunk_losses(reference, reference(tokens), targets, style, normalizer=targets.numel())
         if first_step_grads is None:
-            first_step_grads = _max_difference(_full_grads(model), [p.grad for p in reference.parameters()])
+            first_step_grads = max_difference(_full_grads(model), [p.grad for p in reference.parameters()])
         ours_opt.step(), ref_opt.step()
         ours_opt.zero_grad(), ref_opt.zero_grad()
     final = [p.detach() for p in reference.parameters()]
     return {
         "grads_vs_reference": first_step_grads,
-        "params_vs_reference": _max_difference([p.full_tensor() for p in model.parameters()], final),
-        "moved": _max_difference(final, initial),
+        "params_vs_reference": max_difference([p.full_tensor() for p in model.parameters()], final),
+        "moved": max_difference(final, initial),
     }
 
 
@@ -495,7 +483,7 @@ def _mixed_layout_group_reduced_twice():
         reference(chunk).pow(2).sum().div(x.shape[0]).backward()
     for chunk in x.chunk(dist.get_world_size())[dist.get_rank()].chunk(2):
         model(chunk).pow(2).sum().div(x.shape[0] / dist.get_world_size()).backward()
-    return _max_difference(_full_grads(model), [p.grad for p in reference.parameters()])
+    return max_difference(_full_grads(model), [p.grad for p in reference.parameters()])
 
 
 def test_group_mixing_shard_dims_accumulates_across_two_reductions_in_a_step(dist):
@@ -609,9 +597,9 @@ def _shard_on_dim1(compile_mode: str | None):
         "placements": placements,
         "same_local_shards_as_fsdp2": same_local_shards_as_fsdp2,
         "state_is_ours": state_is_ours,
-        "vs_reference": _max_difference(trained, expected),
-        "moved": _max_difference(expected, initial),
-        "full_state_dict_vs_reference": _max_difference([full_state[name] for name, _ in reference.named_parameters()], expected),
+        "vs_reference": max_difference(trained, expected),
+        "moved": max_difference(expected, initial),
+        "full_state_dict_vs_reference": max_difference([full_state[name] for name, _ in reference.named_parameters()], expected),
     }
 
 
@@ -679,8 +667,8 @@ def _all_gather_extension_bf16_on_the_wire(reshard_after_forward: bool):
         optimizer.step()
         optimizer.zero_grad()
     return {
-        "vs_reference": _max_difference(ours, [p.detach() for p in reference.parameters()]),
-        "vs_unrounded_reference": _max_difference(ours, unrounded),
+        "vs_reference": max_difference(ours, [p.detach() for p in reference.parameters()]),
+        "vs_unrounded_reference": max_difference(ours, unrounded),
         "packed_groups": sorted({r.group for r in log if r.kind == "all_gather" and r.dtype == torch.uint8}),
         "plain_groups": sorted({r.group for r in log if r.kind == "all_gather" and r.dtype != torch.uint8}),
     }
