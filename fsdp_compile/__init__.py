@@ -25,7 +25,7 @@ from fsdp_compile.api import (
     fsdp1_kwargs,
 )
 from fsdp_compile.collectives import CollectiveRecord, record_collectives
-from fsdp_compile.module import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from fsdp_compile.module import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method, share_comm_ctx
 from fsdp_compile.param_group import TrainingState
 from fsdp_compile.param import ShardedState
 from fsdp_compile.state_dict import get_state_dict_type, state_dict_type
@@ -34,6 +34,7 @@ from fsdp_compile.unshard_params import unshard_params
 __all__ = [
     "fully_shard",
     "register_fsdp_forward_method",
+    "share_comm_ctx",
     "FSDPModule",
     "UnshardHandle",
     "MixedPrecisionPolicy",

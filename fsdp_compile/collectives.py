@@ -25,6 +25,7 @@ __all__ = [
     "PendingReduceScatter",
     "PendingPackedAllGather",
     "issue_all_gather",
+    "wait_and_drop",
     "issue_packed_all_gather",
     "issue_reduce_scatter",
     "gradient_divide_factors",
@@ -126,6 +127,13 @@ class ReduceSpec:
         )
 
 
+def _allocate(custom: Any, size: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A communication buffer: from a custom ``Comm``'s ``allocate`` when set, else the caching allocator."""
+    if custom is None:
+        return torch.empty(size, dtype=dtype, device=device)
+    return custom.allocate(size, dtype=dtype, device=device)
+
+
 def _wait(work: dist.Work | None, kind: str, label: str) -> None:
     if work is not None:
         try:
@@ -152,6 +160,15 @@ class PendingAllGather:
         return self.output
 
 
+def wait_and_drop(pending: "PendingAllGather | PendingReduceScatter", comm: CommContext) -> None:
+    """Let a collective of an aborted step complete (its buffer is in use until then), then forget
+    it. A failure of the collective itself is not raised again: the step already failed."""
+    try:
+        pending.wait(comm)
+    except RuntimeError:
+        pass
+
+
 def issue_all_gather(
     shards: list[torch.Tensor],
     padded_numels: list[int],
@@ -160,28 +177,35 @@ def issue_all_gather(
     comm: CommContext,
     label: str,
     reason: str,
+    custom: Any = None,
 ) -> PendingAllGather:
-    """Copy this rank's shards (cast, padded) into its row of a new ``[world, group_numel]`` buffer and all-gather it."""
+    """Copy this rank's shards (cast, padded) into its row of a new ``[world, group_numel]`` buffer and all-gather it.
+
+    ``custom``: an FSDP2 ``AllGather`` (``set_custom_all_gather``) that allocates the buffer and runs the collective.
+    """
     return _issue_all_gather(
-        sum(padded_numels), dtype, lambda row: ops.all_gather_copy_in(shards, padded_numels, row), group, comm, label, reason
+        sum(padded_numels), dtype, lambda row: ops.all_gather_copy_in(shards, padded_numels, row), group, comm, label,
+        reason, custom,
     )
 
 
 def _issue_all_gather(
-    total: int, dtype: torch.dtype, copy_in: Callable[[torch.Tensor], None], group: ShardGroup, comm: CommContext, label: str, reason: str
+    total: int, dtype: torch.dtype, copy_in: Callable[[torch.Tensor], None], group: ShardGroup, comm: CommContext,
+    label: str, reason: str, custom: Any,
 ) -> PendingAllGather:
     world_size, handle = group.shard_size, comm.handle
     copy_in_stream, all_gather_stream = comm.all_gather_streams(reason)
     with handle.on_stream(copy_in_stream, "all_gather_copy_in"):
-        output = torch.empty((world_size, total), dtype=dtype, device=comm.device)
+        output = _allocate(custom, (world_size, total), dtype, comm.device)
         copy_in(output[group.shard_rank])
     handle.wait_stream(all_gather_stream, copy_in_stream)
     record(CollectiveRecord("all_gather", label, total, dtype, reason))
     work = None
     with handle.on_stream(all_gather_stream, "all_gather"):
-        if world_size > 1:
+        if world_size > 1 or custom is not None:
+            run = custom if custom is not None else all_gather_single
             try:
-                work = all_gather_single(output.view(-1), output[group.shard_rank], group=group.shard_group, async_op=True)
+                work = run(output.view(-1), output[group.shard_rank], group=group.shard_group, async_op=True)
             except Exception as error:  # noqa: BLE001
                 _raise_collective_error("all-gather", label, error)
         event = handle.record_event(all_gather_stream, "all_gather")
@@ -210,7 +234,9 @@ class PendingPackedAllGather:
                 target.view(world, -1).copy_(gathered[:, start : start + nbytes].view(tensor.dtype))
 
 
-def issue_packed_all_gather(inputs: list[list[torch.Tensor]], group: ShardGroup, comm: CommContext, label: str, reason: str) -> PendingPackedAllGather:
+def issue_packed_all_gather(
+    inputs: list[list[torch.Tensor]], group: ShardGroup, comm: CommContext, label: str, reason: str, custom: Any = None
+) -> PendingPackedAllGather:
     """One all-gather of tensors of any dtypes and shapes, sent as bytes in one buffer.
 
     For groups with an all-gather extension (see [Note: all-gather extensions] in param.py),
@@ -231,7 +257,7 @@ def issue_packed_all_gather(inputs: list[list[torch.Tensor]], group: ShardGroup,
                 raw = tensor.reshape(-1).view(torch.uint8)
                 row[start : start + raw.numel()].copy_(raw)
 
-    pending = _issue_all_gather(total, torch.uint8, copy_in, group, comm, label, reason)
+    pending = _issue_all_gather(total, torch.uint8, copy_in, group, comm, label, reason, custom)
     return PendingPackedAllGather(pending, inputs, offsets)
 
 
@@ -254,16 +280,21 @@ class PendingReduceScatter:
 
 
 def issue_reduce_scatter(
-    grads: list[torch.Tensor], padded_numels: list[int], spec: ReduceSpec, group: ShardGroup, comm: CommContext, label: str
+    grads: list[torch.Tensor], padded_numels: list[int], spec: ReduceSpec, group: ShardGroup, comm: CommContext, label: str,
+    custom: Any = None,
 ) -> PendingReduceScatter:
-    """Lay unsharded gradients into a ``[world, group_numel]`` buffer (cast, pre-divided) and reduce-scatter (sum) it."""
+    """Lay unsharded gradients into a ``[world, group_numel]`` buffer (cast, pre-divided) and reduce-scatter (sum) it.
+
+    ``custom``: an FSDP2 ``ReduceScatter`` (``set_custom_reduce_scatter``) that allocates the
+    buffers and runs the collective.
+    """
     total = sum(padded_numels)
     world_size, handle = group.shard_size, comm.handle
     stream = comm.reduce_scatter_stream
     gradients_ready = handle.record_event(handle.current_stream(), "gradients")
     handle.wait_event(stream, gradients_ready)
     with handle.on_stream(stream, "reduce_scatter_copy_in"):
-        reduce_input = torch.empty((world_size, total), dtype=spec.reduce_dtype, device=comm.device)
+        reduce_input = _allocate(custom, (world_size, total), spec.reduce_dtype, comm.device)
         ops.reduce_scatter_copy_in(grads, padded_numels, reduce_input, spec.pre_divide)
         for grad in grads:
             # The compute stream frees these grads once we return; the copy-in may still read them.
@@ -271,10 +302,13 @@ def issue_reduce_scatter(
     record(CollectiveRecord("reduce_scatter", label, total * world_size, spec.reduce_dtype, "backward"))
     with handle.on_stream(stream, "reduce_scatter"):
         work, output = None, reduce_input.view(-1)
-        if world_size > 1:
-            output = torch.empty((total,), dtype=spec.reduce_dtype, device=comm.device)
+        if world_size > 1 or custom is not None:
+            output = _allocate(custom, (total,), spec.reduce_dtype, comm.device)
             try:
-                work = _reduce_scatter_single(output, reduce_input.view(-1), group=group.shard_group, async_op=True)
+                if custom is not None:
+                    work = custom(output, reduce_input.view(-1), group=group.shard_group, op=dist.ReduceOp.SUM, async_op=True)
+                else:
+                    work = _reduce_scatter_single(output, reduce_input.view(-1), group=group.shard_group, async_op=True)
             except Exception as error:  # noqa: BLE001
                 _raise_collective_error("reduce-scatter", label, error)
         event = handle.record_event(stream, "reduce_scatter")

@@ -18,7 +18,8 @@ all groups' collectives are ordered on the same side streams, as in FSDP2:
 - Reduce-scatter: the compute stream records a "gradients" event after backward computed them;
   the reduce-scatter stream waits on it, copies in, reduce-scatters and records an event. The
   copy-out into the sharded gradients waits for it on the compute stream, when the reduction is
-  finished: before the next group's reduce-scatter is issued (one in flight bounds the buffers)
+  finished: before the next group's reduce-scatter is issued (at most
+  ``set_reduce_scatter_max_input_buffers`` in flight, default one, bound the buffers' memory)
   and at the end of backward (or at the next root forward with ``set_is_last_backward(False)``).
 
 On CPU every stream and event is ``None`` and each step above is a no-op; the order of calls is
@@ -110,9 +111,9 @@ class CommContext:
         else:
             self.all_gather_streams_wait(event)
 
-    def finish_reductions(self) -> None:
-        """Land every reduce-scatter in flight into the sharded gradients, oldest first."""
-        while self.reducing_groups:
+    def finish_reductions(self, keep: int = 0) -> None:
+        """Land reduce-scatters in flight into the sharded gradients, oldest first, until ``keep`` remain."""
+        while len(self.reducing_groups) > keep:
             self.reducing_groups.pop(0).finish_reduction()
 
     def release(self) -> None:

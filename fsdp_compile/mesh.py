@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
-__all__ = ["ShardGroup", "MeshInfo", "replicate_mesh", "hybrid_mesh", "PostForwardMeshInfo", "default_mesh", "mesh_info_for", "post_forward_mesh_info_for", "mesh_device"]
+__all__ = ["ShardGroup", "MeshInfo", "replicate_mesh", "hybrid_mesh", "PostForwardMeshInfo", "default_mesh", "mesh_info_for", "post_forward_mesh_info_for", "mesh_device", "separate_group_of"]
 
 
 class ShardGroup(Protocol):
@@ -157,3 +157,19 @@ def post_forward_mesh_info_for(info: MeshInfo, post_forward_size: int) -> PostFo
         _post_forward_groups[key] = (my_group, my_block)
     group, block = _post_forward_groups[key]
     return PostForwardMeshInfo(group, post_forward_size, block.index(dist.get_rank()))
+
+
+_separate_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def separate_group_of(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A second process group over ``group``'s ranks (another communicator), one per rank set.
+
+    Created by the member ranks only (``use_local_synchronization``), so shard groups that do
+    not include this rank need not take part.
+    """
+    ranks = tuple(dist.get_process_group_ranks(group))
+    key = (id(dist.group.WORLD),) + ranks
+    if key not in _separate_groups:
+        _separate_groups[key] = dist.new_group(list(ranks), use_local_synchronization=True)
+    return _separate_groups[key]

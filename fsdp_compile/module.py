@@ -1,6 +1,7 @@
 """``fully_shard`` and ``FSDPModule``: the user-facing entry of the eager runtime."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable, overload
 
@@ -10,7 +11,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_compile.api import BackwardPrefetch, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from fsdp_compile.mesh import MeshInfo, default_mesh, mesh_device, mesh_info_for, post_forward_mesh_info_for
+from fsdp_compile.mesh import MeshInfo, default_mesh, separate_group_of, mesh_device, mesh_info_for, post_forward_mesh_info_for
 from fsdp_compile.optimizer_check import install_optimizer_check, mark_replaced
 from fsdp_compile.param import FSDPParam, ParamRef
 from fsdp_compile.param_group import FSDPParamGroup
@@ -20,7 +21,7 @@ from fsdp_compile.state_dict import register_state_dict_hooks
 from fsdp_compile import config
 from fsdp_compile.traceable import BOUND_PARAMS_ATTR, install_traced_param_access
 
-__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
+__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx"]
 
 # Set on each original parameter a fully_shard call takes: the call's label. An attribute, not a
 # weak mapping: tensors compare elementwise, and weak references block torch.utils.swap_tensors.
@@ -246,6 +247,69 @@ class FSDPModule:
                 )
             group.all_reduce_hook, group.all_reduce_hook_stream = hook, stream
 
+    def reset_iter_state(self) -> None:
+        """On the root, after an exception aborted a forward or backward: wait for the collectives
+        in flight, reshard every group and clear the step's bookkeeping, so the next step runs
+        normally. The failed step's gradients are dropped, including no-sync sums and HSDP's deferred
+        all-reduce: restart an accumulation sequence after calling this.
+
+        Example::
+
+            try:
+                loss_fn(model(batch)).backward()
+            except RuntimeError:
+                model.reset_iter_state()
+        """
+        state = self._fsdp_state()
+        if state.outer is not None:
+            raise RuntimeError(
+                f"fsdp_compile: reset_iter_state() on '{state.label}', which is not the root; call it on the outermost "
+                f"fully_shard module ('{state.outermost().label}')."
+            )
+        state.reset_iter_state()
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        """Run this module's all-gathers with ``comm``, an FSDP2 ``AllGather``: ``comm.allocate(size,
+        dtype=, device=)`` makes the ``[world, numel]`` buffer and ``comm(output, input, group=,
+        async_op=)`` gathers into it, returning a ``Work`` or None."""
+        _check_comm(comm, "set_custom_all_gather", self._fsdp_state().label)
+        for group in self._groups(recurse=False):
+            group.custom_all_gather = comm
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        """Run this module's reduce-scatters with ``comm``, an FSDP2 ``ReduceScatter``: ``allocate``
+        makes the input and output buffers and ``comm(output, input, group=, op=, async_op=)``
+        reduces (``op`` is always ``SUM``; the divide factors are applied around it)."""
+        _check_comm(comm, "set_custom_reduce_scatter", self._fsdp_state().label)
+        for group in self._groups(recurse=False):
+            group.custom_reduce_scatter = comm
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """``True``: a parameter that got no gradient this backward is reduced as zeros, so ranks that
+        used different parameters (mixture of experts, multi-modal branches) still issue the same
+        reduce-scatter; its gradient becomes the average over the ranks that used it."""
+        for group in self._groups(recurse):
+            group.reduce_scatter_unused_params = reduce_scatter_unused_params
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """How many reduce-scatters (each holding its input buffer) may be in flight before backward
+        waits for the oldest: 1 (default) bounds memory; more lets an exposed reduce-scatter overlap
+        the next groups' backward at the cost of their buffers."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int) or max_input_buffers < 1:
+            raise ValueError(f"set_reduce_scatter_max_input_buffers takes an int >= 1, got {max_input_buffers!r}")
+        for group in self._groups(recurse):
+            group.reduce_scatter_max_input_buffers = max_input_buffers
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        """``True``: reduce-scatter over a process group of its own (the shard group's ranks, another
+        communicator), so on NCCL it can run beside the backward all-gathers instead of after them.
+        Collective over each shard group's ranks: call it on every rank alike."""
+        for group in self._groups(recurse):
+            info = group.mesh_info
+            group.reduce_scatter_mesh_info = (
+                dataclasses.replace(info, shard_group=separate_group_of(info.shard_group)) if enable else info
+            )
+
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide summed gradients by ``factor`` instead of the data-parallel world size."""
         for state in self._fsdp_state().states_under(recurse=True):
@@ -293,6 +357,36 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         return state._post_forward_hook(module, args, output)
 
     module.__dict__[method_name] = run_as_forward
+
+
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """Make these roots (e.g. the model chunks of pipeline parallelism, each its own root) share
+    one communication context: the same side streams and reductions in flight, so their
+    collectives are ordered on one set of streams and their buffers do not fragment memory.
+
+    Example::
+
+        share_comm_ctx([stage0, stage1])
+    """
+    states = [_state_of_fsdp_module(module, "share_comm_ctx") for module in modules]
+    if not states:
+        return
+    shared = states[0].comm
+    for root in states[1:]:
+        for state in all_states_under(root.modules):
+            state.comm = shared
+            if state.group is not None:
+                state.group.comm = shared
+            if state.root_ctx is not None:
+                state.root_ctx.comm = shared
+
+
+def _check_comm(comm: Any, method: str, label: str) -> None:
+    if not callable(comm) or not callable(getattr(comm, "allocate", None)):
+        raise TypeError(
+            f"{method} on '{label}' takes an FSDP2 Comm object (torch.distributed.fsdp's AllGather / ReduceScatter, "
+            f"or any object with allocate(size, *, dtype, device) and __call__), got {type(comm).__name__}"
+        )
 
 
 def _run_block_with(module: nn.Module, unsharded: list[torch.Tensor], args: tuple, kwargs: dict) -> Any:

@@ -78,6 +78,18 @@ class FSDPParamGroup:
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         self.all_reduce_hook_stream: Any = None
         self.gradient_divide_factor: float | None = None
+        # set_reduce_scatter_unused_params(True): a parameter without a gradient this backward is
+        # reduced as zeros, so ranks that used different parameters issue the same reduce-scatter.
+        self.reduce_scatter_unused_params = False
+        # set_reduce_scatter_max_input_buffers: reduce-scatters in flight (each holds its input
+        # buffer) before the oldest is finished; 1 finishes the previous one before issuing.
+        self.reduce_scatter_max_input_buffers = 1
+        # set_custom_all_gather / set_custom_reduce_scatter: FSDP2's ``Comm`` objects (allocate the
+        # buffer, run the collective), used instead of the default ones.
+        self.custom_all_gather: Any = None
+        self.custom_reduce_scatter: Any = None
+        # set_separate_reduce_scatter_group: the same ranks as the shard group, another communicator.
+        self.reduce_scatter_mesh_info: MeshInfo = mesh_info
         self.training_state = TrainingState.IDLE
         self.sharded_state = ShardedState.SHARDED
         self._pending_all_gather: PendingAllGather | PendingPackedAllGather | None = None
@@ -130,7 +142,8 @@ class FSDPParamGroup:
             group = self.mesh_info
             padded = [p.padded_shard_numel for p in self.fsdp_params]
         self._pending_all_gather = collectives.issue_all_gather(
-            [p.all_gather_input() for p in self.fsdp_params], padded, self.param_dtype, group, self.comm, self.label, reason
+            [p.all_gather_input() for p in self.fsdp_params], padded, self.param_dtype, group, self.comm, self.label, reason,
+            self.custom_all_gather,
         )
 
     def _unshard_packed(self, reason: str) -> None:
@@ -141,7 +154,8 @@ class FSDPParamGroup:
                 "reshard_after_forward cannot re-gather from its post-forward shard; use True or False."
             )
         self._pending_all_gather = collectives.issue_packed_all_gather(
-            [p.all_gather_inputs() for p in self.fsdp_params], self.mesh_info, self.comm, self.label, reason
+            [p.all_gather_inputs() for p in self.fsdp_params], self.mesh_info, self.comm, self.label, reason,
+            self.custom_all_gather,
         )
 
     @_eager_only
@@ -240,15 +254,18 @@ class FSDPParamGroup:
         params, grads = [], []
         for fsdp_param in self.fsdp_params:
             grad = fsdp_param.take_unsharded_grad()
+            if grad is None and self.reduce_scatter_unused_params and fsdp_param.sharded_param.requires_grad:
+                grad = torch.zeros(fsdp_param.orig_size, dtype=fsdp_param.reduce_dtype, device=self.device)
             if grad is not None:
                 params.append(fsdp_param)
                 grads.append(fsdp_param.layout.to_dim0(grad).contiguous())
         if not params:
             return
-        # Older reductions finish now: one in flight at a time bounds the reduce buffers' memory.
-        self.comm.finish_reductions()
+        # Older reductions finish now: a bounded number in flight bounds the reduce buffers' memory.
+        self.comm.finish_reductions(keep=self.reduce_scatter_max_input_buffers - 1)
         pending = collectives.issue_reduce_scatter(
-            grads, [p.padded_shard_numel for p in params], self.reduce_spec, self.mesh_info, self.comm, self.label
+            grads, [p.padded_shard_numel for p in params], self.reduce_spec, self.reduce_scatter_mesh_info, self.comm,
+            self.label, self.custom_reduce_scatter,
         )
         self._reduction_in_flight = (pending, params)
         self.comm.reducing_groups.append(self)
@@ -321,6 +338,27 @@ class FSDPParamGroup:
             self.post_backward()
         elif self.is_unsharded and self.reshard_after_backward:
             self.reshard()
+        self.ran_post_backward = False
+        self.training_state = TrainingState.IDLE
+
+    @_eager_only
+    def reset_after_failed_step(self) -> None:
+        """After an exception mid-step: let the collectives in flight complete, drop their results and
+        this step's gradients (also no-sync sums and HSDP's deferred all-reduce), reshard."""
+        pending, self._pending_all_gather = self._pending_all_gather, None
+        if pending is not None:
+            collectives.wait_and_drop(pending.pending if isinstance(pending, PendingPackedAllGather) else pending, self.comm)
+        if self._reduction_in_flight is not None:
+            collectives.wait_and_drop(self._reduction_in_flight[0], self.comm)
+            self._reduction_in_flight = None
+        self._partial_reduce_output = None
+        for fsdp_param in self.fsdp_params:
+            fsdp_param.take_unsharded_grad()
+        if self.sharded_state != ShardedState.SHARDED:
+            for fsdp_param in self.fsdp_params:
+                fsdp_param.to_sharded()
+            self.sharded_state = ShardedState.SHARDED
+        self._post_forward_shard_event = None
         self.ran_post_backward = False
         self.training_state = TrainingState.IDLE
 

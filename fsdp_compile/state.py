@@ -197,6 +197,17 @@ class FSDPState:
             refused.append(f"set_all_reduce_hook: the compiled graph's reductions cannot call a Python hook; {alternative}")
         if group.fsdp_params[0].offload_to_cpu:
             refused.append(f"CPUOffloadPolicy: the compiled graph all-gathers device shards; {alternative}")
+        if group.custom_all_gather is not None or group.custom_reduce_scatter is not None:
+            refused.append(f"set_custom_all_gather / set_custom_reduce_scatter: the compiled graph's collectives are functional ops, not Python objects; {alternative}")
+        if group.reduce_scatter_unused_params:
+            refused.append(
+                "set_reduce_scatter_unused_params(True): the compiled graph reduces the parameters its trace reads, the same "
+                f"on every rank (a rank-dependent trace is caught by the cross-rank graph check); {alternative}"
+            )
+        if group.reduce_scatter_max_input_buffers != 1:
+            refused.append(f"set_reduce_scatter_max_input_buffers: in the compiled graph the reorder pass places the reduce-scatters; {alternative}")
+        if group.reduce_scatter_mesh_info is not group.mesh_info:
+            refused.append(f"set_separate_reduce_scatter_group: the compiled graph reduce-scatters over the shard group; {alternative}")
         return refused
 
     def bound_params(self) -> list[torch.Tensor] | None:
@@ -514,6 +525,25 @@ class FSDPState:
         ctx.comm.release()
         ctx.post_forward_order = []
         ctx.final_callback_queued = False
+
+    def reset_iter_state(self) -> None:
+        """The root's recovery after an exception mid-step (``FSDPModule.reset_iter_state``)."""
+        states = self.root_ctx.states if self.root_ctx is not None else all_states_under(self.modules)
+        for state in states:
+            if state.group is not None:
+                state.group.reset_after_failed_step()
+            state.training_state = TrainingState.IDLE
+            state._post_forward_indices.clear()
+            state._modules_to_run_forward.clear()
+            state._unfired_post_backward_triggers = 0
+        self.comm.reducing_groups.clear()
+        self.comm.release()
+        self._release_staged_grads()
+        if self.root_ctx is not None:
+            self.root_ctx.post_forward_order = []
+            self.root_ctx.forward_order = []
+            # A failed backward never runs its queued end-of-backward callback.
+            self.root_ctx.final_callback_queued = False
 
     def reshard_for(self, action: str) -> None:
         """Make the registered parameters the sharded ones before ``action`` (a state dict, a

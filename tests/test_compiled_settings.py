@@ -67,6 +67,16 @@ def test_accumulation_without_sync_under_fsdp_inductor_reduce_scatters_only_in_t
     assert graphs == [graphs[0]] * (MICRO_BATCHES - 1) + [graphs[0] + 1] * (MICRO_BATCHES + 1), graphs
 
 
+class _PlainReduceScatter:
+    """An FSDP2 ``ReduceScatter`` doing what the default does."""
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output, input, group, op, async_op=False):
+        return torch.distributed.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+
+
 class _TwoBlocks(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -97,6 +107,12 @@ def _refused(setting: str) -> str:
     if setting == "all_reduce_hook":
         for block in model.blocks:  # the root holds no parameters of its own
             block.set_all_reduce_hook(lambda reduced: None)
+    if setting == "comm_settings":
+        for block in model.blocks:
+            block.set_custom_reduce_scatter(_PlainReduceScatter())
+        model.set_reduce_scatter_unused_params(True)
+        model.set_reduce_scatter_max_input_buffers(2)
+        model.set_separate_reduce_scatter_group()
     compiled = torch.compile(model, backend="fsdp_aot_eager")
     inputs = torch.randn(4, 8)
     if setting in ("reshard_after_backward", "requires_all_reduce"):
@@ -121,12 +137,16 @@ def _refused(setting: str) -> str:
         ("int_reshard_after_forward", "an int reshard_after_forward"),
         ("offload", "CPUOffloadPolicy"),
         ("all_reduce_hook", "set_all_reduce_hook"),
+        # One compile refuses all four (the message lists every refused setting of the group).
+        ("comm_settings", "set_custom_all_gather / set_custom_reduce_scatter|set_reduce_scatter_unused_params(True)"
+         "|set_reduce_scatter_max_input_buffers|set_separate_reduce_scatter_group"),
     ],
 )
 def test_settings_the_graph_cannot_honour_are_refused_naming_the_setting_and_the_way_out(dist, setting, named):
     world = 4 if setting == "int_reshard_after_forward" else 2
     for message in dist.run(world, _refused, setting):
-        assert "fsdp_inductor" in message and named in message, message
+        for name in named.split("|"):
+            assert "fsdp_inductor" in message and name in message, message
         assert "block.compile()" in message, message
 
 
