@@ -96,6 +96,8 @@ class FSDPParam:
         self._extension_inner_tensors: list[torch.Tensor] = []
         # The no-sync sum handed to a compiled forward by its root; see _stage_accumulated_grads.
         self.staged_accumulated_grad: torch.Tensor | None = None
+        # The same for the reduce-scattered sum awaiting its all-reduce ([Note: deferred all-reduce]).
+        self.staged_deferred_all_reduce: torch.Tensor | None = None
         self.sharded_state = ShardedState.SHARDED
         self.register_everywhere(self.sharded_param)
 
@@ -107,6 +109,10 @@ class FSDPParam:
         self.accumulation_sink = self._new_accumulation_sink()
         if pending is not None and pending.grad is not None:
             self.accumulation_sink.grad = pending.grad.to(self.reduce_dtype)
+        deferred = getattr(self, "deferred_all_reduce_sink", None)
+        self.deferred_all_reduce_sink = self._new_deferred_all_reduce_sink()
+        if deferred is not None and deferred.grad is not None:
+            self.deferred_all_reduce_sink.grad = deferred.grad.to(self.reduce_dtype)
 
     def _new_accumulation_sink(self) -> torch.Tensor:
         """[Note: no-sync accumulation]
@@ -138,6 +144,28 @@ class FSDPParam:
         if accumulated is not None:
             self.accumulation_sink.grad = None
         return accumulated
+
+    def _new_deferred_all_reduce_sink(self) -> torch.Tensor:
+        """[Note: deferred all-reduce]
+        HSDP with ``set_requires_all_reduce(False)``: a step reduce-scatters but leaves the sum across
+        replicas for a later step. This parameter's reduce-scattered, not yet all-reduced sum waits
+        (in ``reduce_dtype``, its padded shard in the dim-0 view) in the ``.grad`` of this leaf; the
+        next step that all-reduces adds it first. Eagerly the reduction adds it there; compiled,
+        the traced reduce-scatter returns it as this leaf's gradient, so autograd sums it across
+        deferring steps (whose graphs never read it: one graph for all of them), and the
+        all-reducing graph's root pre-forward takes it out (as for [Note: no-sync accumulation]).
+        One element of storage, like the no-sync sink.
+        """
+        shape = self.layout.dim0_shape(self.layout.padded_shard_shape)
+        sink = torch.empty_strided(shape, (0,) * len(shape), dtype=self.reduce_dtype, device=self.device)
+        return sink.requires_grad_()
+
+    def pop_deferred_all_reduce(self) -> torch.Tensor | None:
+        """Remove and return the reduce-scattered sum awaiting its all-reduce (None when there is none)."""
+        deferred = self.deferred_all_reduce_sink.grad
+        if deferred is not None:
+            self.deferred_all_reduce_sink.grad = None
+        return deferred
 
     # --- registration on the modules ------------------------------------------------------------
     def register_everywhere(self, value: nn.Parameter) -> None:

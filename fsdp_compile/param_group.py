@@ -93,8 +93,6 @@ class FSDPParamGroup:
         self.training_state = TrainingState.IDLE
         self.sharded_state = ShardedState.SHARDED
         self._pending_all_gather: PendingAllGather | PendingPackedAllGather | None = None
-        # HSDP with set_requires_all_reduce(False): reduce-scattered, not yet all-reduced sums.
-        self._partial_reduce_output: torch.Tensor | None = None
         self._reduction_in_flight: tuple[PendingReduceScatter, list[FSDPParam]] | None = None
         # Marks the post-forward shards' copy (int reshard_after_forward): the next copy-in reads them.
         self._post_forward_shard_event: object = None
@@ -279,11 +277,17 @@ class FSDPParamGroup:
         spec = self.reduce_spec
         padded = [p.padded_shard_numel for p in params]
         if self.mesh_info.replicate_group is not None:
-            if self._partial_reduce_output is not None:
-                reduced = reduced + self._partial_reduce_output
-                self._partial_reduce_output = None
+            # See [Note: deferred all-reduce] in param.py.
+            segments = [
+                segment.view(p.deferred_all_reduce_sink.shape) for p, segment in zip(params, reduced.split(padded))
+            ]
+            for fsdp_param, segment in zip(params, segments):
+                deferred = fsdp_param.pop_deferred_all_reduce()
+                if deferred is not None:
+                    segment += deferred
             if not self.requires_all_reduce:
-                self._partial_reduce_output = reduced
+                for fsdp_param, segment in zip(params, segments):
+                    fsdp_param.deferred_all_reduce_sink.grad = segment.clone()
                 return
             collectives.all_reduce_replicas(reduced, self.mesh_info.replicate_group, self.label)
         if self.all_reduce_hook is not None:
@@ -351,9 +355,9 @@ class FSDPParamGroup:
         if self._reduction_in_flight is not None:
             collectives.wait_and_drop(self._reduction_in_flight[0], self.comm)
             self._reduction_in_flight = None
-        self._partial_reduce_output = None
         for fsdp_param in self.fsdp_params:
             fsdp_param.take_unsharded_grad()
+            fsdp_param.pop_deferred_all_reduce()
         if self.sharded_state != ShardedState.SHARDED:
             for fsdp_param in self.fsdp_params:
                 fsdp_param.to_sharded()

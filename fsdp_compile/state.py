@@ -189,8 +189,6 @@ class FSDPState:
         alternative = "use the eager runtime or per-block compile (block.compile()), which run the eager hooks"
         if not group.reshard_after_backward:
             refused.append(f"set_reshard_after_backward(False): the compiled step all-gathers in every forward; {alternative}")
-        if not group.requires_all_reduce and group.mesh_info.replicate_group is not None:
-            refused.append(f"set_requires_all_reduce(False): the compiled backward all-reduces every step; {alternative}")
         if group.post_forward_mesh_info is not None:
             refused.append(f"an int reshard_after_forward: the compiled graph re-gathers from the full shard group; pass True or False, or {alternative}")
         if group.all_reduce_hook is not None:
@@ -229,16 +227,23 @@ class FSDPState:
         if self.settings_refused_when_compiled():
             pass  # the branch makes Dynamo guard on the settings; admit_traced_parameters refuses them
         annotation = trace_annotation(group.label, fsdp_param.fqn, self.reshards_after_forward, self.trace_token)
-        accumulated = None
+        accumulated = deferred = deferred_sink = None
+        hybrid = group.mesh_info.replicate_group is not None
         if group.requires_gradient_sync and first_place:
             accumulated = fsdp_param.staged_accumulated_grad
             if accumulated is None:
                 # Compiled without its root (which stages the sums): take it here, which Dynamo
                 # allows outside higher-order ops such as activation checkpointing.
                 accumulated = fsdp_param.pop_accumulated_grad()
+            if hybrid and group.requires_all_reduce:  # [Note: deferred all-reduce] in param.py
+                deferred = fsdp_param.staged_deferred_all_reduce
+                if deferred is None:
+                    deferred = fsdp_param.pop_deferred_all_reduce()
+        if hybrid and not group.requires_all_reduce:  # every read's sum adds up in the sink's .grad
+            deferred_sink = fsdp_param.deferred_all_reduce_sink
         return unshard_for_trace(
             fsdp_param.sharded_param, fsdp_param.layout, fsdp_param.param_dtype, group.reduce_spec, annotation,
-            fsdp_param.accumulation_sink, group.requires_gradient_sync, accumulated,
+            fsdp_param.accumulation_sink, group.requires_gradient_sync, accumulated, deferred, deferred_sink,
         )
 
     @property
@@ -308,16 +313,22 @@ class FSDPState:
         for state in all_states_under(self.modules):
             if state.group is None or not state.group.requires_gradient_sync:
                 continue
+            all_reduces = state.group.mesh_info.replicate_group is not None and state.group.requires_all_reduce
             for fsdp_param in state.group.fsdp_params:
                 accumulated = fsdp_param.pop_accumulated_grad()
                 if accumulated is not None:
                     fsdp_param.staged_accumulated_grad = accumulated
+                deferred = fsdp_param.pop_deferred_all_reduce() if all_reduces else None
+                if deferred is not None:
+                    fsdp_param.staged_deferred_all_reduce = deferred
 
     def _release_staged_grads(self) -> None:
         for state in all_states_under(self.modules):
             for fsdp_param in state.group.fsdp_params if state.group is not None else ():
                 if fsdp_param.staged_accumulated_grad is not None:
                     fsdp_param.staged_accumulated_grad = None
+                if fsdp_param.staged_deferred_all_reduce is not None:
+                    fsdp_param.staged_deferred_all_reduce = None
 
     def _cast_forward_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:

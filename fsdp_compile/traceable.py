@@ -57,28 +57,32 @@ class _AllGatherShard(torch.autograd.Function):
 
     The backward is the eager reduction of ``ReduceSpec``, field by field (plain values, so Dynamo
     treats them as constants), of the gradient plus ``accumulated`` (the no-sync steps' sum, in
-    the gathered layout's rows, or None).
+    the gathered layout's rows, or None). With HSDP it adds ``deferred`` (the reduce-scattered sum
+    of steps that skipped the all-reduce, or None) before the all-reduce; given ``deferred_sink``
+    (``set_requires_all_reduce(False)``), it skips the all-reduce and returns the sum as that leaf's
+    gradient instead of the shard's (see [Note: deferred all-reduce] in param.py).
     """
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx, padded_shard: torch.Tensor, accumulated: torch.Tensor | None, param_dtype: torch.dtype,
-        reduce_dtype: torch.dtype, grad_dtype: torch.dtype, pre_divide: float, post_divide: float, shard_size: int,
-        shard_group_name: str, replicate_group_name: str | None,
+        ctx, padded_shard: torch.Tensor, accumulated: torch.Tensor | None, deferred: torch.Tensor | None,
+        deferred_sink: torch.Tensor | None, param_dtype: torch.dtype, reduce_dtype: torch.dtype, grad_dtype: torch.dtype,
+        pre_divide: float, post_divide: float, shard_size: int, shard_group_name: str, replicate_group_name: str | None,
     ) -> torch.Tensor:
         ctx.reduce_dtype, ctx.grad_dtype = reduce_dtype, grad_dtype
         ctx.pre_divide, ctx.post_divide = pre_divide, post_divide
         ctx.shard_size, ctx.shard_group_name, ctx.replicate_group_name = shard_size, shard_group_name, replicate_group_name
-        ctx.has_accumulated = accumulated is not None
-        if accumulated is not None:
-            ctx.save_for_backward(accumulated)
+        ctx.has_accumulated, ctx.has_deferred = accumulated is not None, deferred is not None
+        ctx.defers_all_reduce = deferred_sink is not None
+        ctx.save_for_backward(*(t for t in (accumulated, deferred) if t is not None))
         return _gather(padded_shard, param_dtype, shard_size, shard_group_name)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        saved = list(ctx.saved_tensors)
         grad = grad.to(ctx.reduce_dtype)
         if ctx.has_accumulated:
-            (accumulated,) = ctx.saved_tensors
+            accumulated = saved.pop(0)
             # Eagerly the accumulated sum absorbs this step's gradient; the same addition, padded.
             grad = grad + _pad_rows(accumulated, grad.shape[0] - accumulated.shape[0])
         if ctx.pre_divide != 1.0:
@@ -86,11 +90,16 @@ class _AllGatherShard(torch.autograd.Function):
         reduced = _functional.wait_tensor(
             _functional.reduce_scatter_tensor(grad.contiguous(), "sum", ctx.shard_size, ctx.shard_group_name)
         )
+        no_grads = (None,) * 8
         if ctx.replicate_group_name is not None:
+            if ctx.has_deferred:
+                reduced = reduced + saved.pop(0)
+            if ctx.defers_all_reduce:
+                return None, None, None, reduced, *no_grads
             reduced = _functional.wait_tensor(_functional.all_reduce(reduced, "sum", ctx.replicate_group_name))
         if ctx.post_divide != 1.0:
             reduced = reduced / ctx.post_divide
-        return reduced.to(ctx.grad_dtype), None, None, None, None, None, None, None, None, None
+        return reduced.to(ctx.grad_dtype), None, None, None, *no_grads
 
 
 class _AccumulateWithoutSync(torch.autograd.Function):
@@ -110,12 +119,16 @@ class _AccumulateWithoutSync(torch.autograd.Function):
 def unshard_for_trace(
     sharded: torch.Tensor, layout: ShardLayout, param_dtype: torch.dtype, spec: ReduceSpec, annotation: dict[str, object],
     sink: torch.Tensor, requires_gradient_sync: bool, accumulated: torch.Tensor | None,
+    deferred: torch.Tensor | None = None, deferred_sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The full parameter from its sharded DTensor, as traceable functional collectives.
 
     ``sink`` is the parameter's accumulation leaf ([Note: no-sync accumulation] in param.py): a
     no-sync step's gradient goes there. A synced step reduces its gradient plus ``accumulated``
     (the sum taken from the sink, or None; Dynamo guards on which, so each case compiles once).
+    HSDP: ``deferred`` is the reduce-scattered sum of steps that skipped the all-reduce, added
+    before this step's; ``deferred_sink`` (when this step skips it too) receives the sum instead
+    ([Note: deferred all-reduce] in param.py).
     """
     with fx_traceback.annotate(annotation):
         local = layout.to_dim0(sharded.to_local())
@@ -127,8 +140,8 @@ def unshard_for_trace(
         if accumulated is not None:
             accumulated = layout.to_dim0(accumulated)
         gathered = _AllGatherShard.apply(
-            padded, accumulated, param_dtype, spec.reduce_dtype, spec.grad_dtype, spec.pre_divide, spec.post_divide,
-            spec.shard_size, spec.shard_group_name, spec.replicate_group_name,
+            padded, accumulated, deferred, deferred_sink, param_dtype, spec.reduce_dtype, spec.grad_dtype, spec.pre_divide,
+            spec.post_divide, spec.shard_size, spec.shard_group_name, spec.replicate_group_name,
         )
         return layout.full_from_gathered(gathered)
 

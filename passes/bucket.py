@@ -9,7 +9,7 @@ writes the bucket and no full-precision copy of the bucket exists::
 
     before:  cast(p0) -> ag -> wait -> use0 ...  cast(p1) -> ag -> wait -> use1
     after:   cat(cast(p0), cast(p1)) -> ag -> wait -> [world, total] -> split/reshape -> use0, use1
-    (backward) grads g0, g1 -> cat per rank row -> reduce_scatter -> wait [-> all_reduce -> wait] -> split
+    (backward) grads g0, g1 -> cat per rank row -> reduce_scatter -> wait [-> + deferred -> all_reduce -> wait] -> split
 
 The bucketed all-gather sits where the group's first all-gather was (its shard inputs are
 hoisted above it); the bucketed reduce-scatter right after the group's last gradient (readers of
@@ -52,6 +52,9 @@ class _Member:
     wait: fx.Node
     result: fx.Node  # what readers use: the wait, or for HSDP the all-reduce's wait
     numel: int  # per-rank elements of this member in the flat bucket
+    # HSDP after steps that deferred the all-reduce: ``added = wait + addend`` feeds the all-reduce
+    # (see [Note: deferred all-reduce] in fsdp_compile/param.py).
+    added: fx.Node | None = None
 
 
 @dataclass
@@ -111,14 +114,18 @@ def _member_and_key(node: fx.Node, group: str) -> tuple[_Member, tuple] | None:
         world, group_name = node.args[1], node.args[2]
         return _Member(node, wait, wait, math.prod(_shape(source))), (ALL_GATHER, group, world, group_name, dtype)
     reduce_op, world, group_name = node.args[1], node.args[2], node.args[3]
-    result, replicate = wait, None
+    result, replicate, added = wait, None, None
     users = list(wait.users)
+    if len(users) == 1 and users[0].target is _aten.add.Tensor and users[0].args[0] is wait:
+        after_add = list(users[0].users)
+        if isinstance(users[0].args[1], fx.Node) and len(after_add) == 1 and after_add[0].target is ALL_REDUCE:
+            added, users = users[0], after_add
     # HSDP: the reduced shard is all-reduced across replicas; bucket that too.
     if len(users) == 1 and users[0].target is ALL_REDUCE and single_wait(users[0]) is not None:
         result = single_wait(users[0])
         replicate = (users[0].args[1], users[0].args[2])
     key = (REDUCE_SCATTER, group, reduce_op, world, group_name, replicate, dtype)
-    return _Member(node, wait, result, math.prod(_shape(wait))), key
+    return _Member(node, wait, result, math.prod(_shape(wait)), added), key
 
 
 def _collect(graph: fx.Graph, target: Any, config: PassConfig) -> list[_Bucket]:
@@ -241,6 +248,14 @@ def _bucket_reduce_scatter(graph: fx.Graph, bucket: _Bucket) -> bool:
     copy_in = emit(_aten.cat.default, (per_rank, 1)) if len(per_rank) > 1 else per_rank[0]
     flat = emit(_aten.reshape.default, (copy_in, [world * total]))
     reduced = emit(WAIT, (emit(REDUCE_SCATTER, (flat, reduce_op, world, group_name)),))
+    if any(m.added is not None for m in bucket.members):
+        # A tied parameter's second read adds nothing: its sum was added through the first.
+        addends = [
+            emit(_aten.reshape.default, (m.added.args[1], [m.numel])) if m.added is not None
+            else emit(_aten.new_zeros.default, (reduced, [m.numel]))
+            for m in bucket.members
+        ]
+        reduced = emit(_aten.add.Tensor, (reduced, emit(_aten.cat.default, (addends, 0)) if len(addends) > 1 else addends[0]))
     if replicate is not None:
         reduced = emit(WAIT, (emit(ALL_REDUCE, (reduced, replicate[0], replicate[1])),))
     offset = 0
@@ -261,6 +276,8 @@ def _bucket_reduce_scatter(graph: fx.Graph, bucket: _Bucket) -> bool:
 
 def _chain(member: _Member) -> list[fx.Node]:
     chain = [member.collective, member.wait]
+    if member.added is not None:
+        chain.append(member.added)
     if member.result is not member.wait:
         chain += [member.result.args[0], member.result]
     return chain

@@ -18,27 +18,37 @@ from fsdp_testing import UNEVEN, build_reference, global_batches, local_part, sh
 MICRO_BATCHES = 4
 
 
-def _accumulate_compiled_and_eager(backend: str) -> dict:
-    """Two optimizer steps of MICRO_BATCHES micro-batches each, no sync but in the last; per model:
-    reduce-scatters per micro-batch, the full gradients before each optimizer step, Dynamo's graphs."""
+def _accumulate_compiled_and_eager(backend: str, hybrid: bool = False, micro_batches: int = MICRO_BATCHES) -> dict:
+    """Two optimizer steps of ``micro_batches`` micro-batches each, no sync (HSDP: no all-reduce) but in
+    the last; per model: reduce-scatters (HSDP: all-reduces) per micro-batch, the full gradients
+    before each optimizer step, Dynamo's graphs."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     # Uneven: 37 embedding rows over 2 ranks, so the accumulated gradient meets padding.
     reference = build_reference(UNEVEN)
-    batches = global_batches(2, MICRO_BATCHES, dist.get_world_size(), UNEVEN)
+    batches = global_batches(2, micro_batches, dist.get_world_size(), UNEVEN)
+    kwargs, counted = {}, "reduce_scatter"
+    if hybrid:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        kwargs["mesh"] = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("replicate", "shard"))
+        counted = "all_reduce"
     results = {}
     for name in ("eager", "compiled"):
-        model = shard_model(sharded_copy(reference), fully_shard)
+        model = shard_model(sharded_copy(reference), fully_shard, **kwargs)
         runner = torch.compile(model, backend=backend) if name == "compiled" else model
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         reduce_scatters, grads, graphs = [], [], []
         for batch in batches:
             per_micro = []
-            for index, micro in enumerate(local_part(batch).chunk(MICRO_BATCHES)):
-                model.set_requires_gradient_sync(index == MICRO_BATCHES - 1)
+            for index, micro in enumerate(local_part(batch).chunk(micro_batches)):
+                if hybrid:
+                    model.set_requires_all_reduce(index == micro_batches - 1)
+                else:
+                    model.set_requires_gradient_sync(index == micro_batches - 1)
                 with count_collectives() as counts:
-                    (next_token_loss(runner(micro), micro) / MICRO_BATCHES).backward()
-                per_micro.append(counts.get("reduce_scatter", 0))
+                    (next_token_loss(runner(micro), micro) / micro_batches).backward()
+                per_micro.append(counts.get(counted, 0))
                 graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
             reduce_scatters.append(per_micro)
             grads.append([p.grad.full_tensor() for p in model.parameters()])
@@ -67,6 +77,19 @@ def test_accumulation_without_sync_under_fsdp_inductor_reduce_scatters_only_in_t
     assert graphs == [graphs[0]] * (MICRO_BATCHES - 1) + [graphs[0] + 1] * (MICRO_BATCHES + 1), graphs
 
 
+def test_hsdp_deferred_all_reduce_under_fsdp_inductor_all_reduces_only_in_the_last_micro_batch(dist):
+    # HSDP 2x2, set_requires_all_reduce(False) but in the last micro-batch; graphs without Inductor's codegen.
+    micro = 3
+    result = dist.run(4, _accumulate_compiled_and_eager, "fsdp_aot_eager", True, micro)[0]
+    groups = 3
+    assert result["eager"]["reduce_scatters"] == [[0, 0, groups]] * 2  # here: the all-reduces
+    assert result["compiled"]["reduce_scatters"] == result["eager"]["reduce_scatters"]
+    assert result["grad_difference"] <= 1e-6 * max(1.0, result["grad_size"]), result["grad_difference"]
+    assert result["grad_size"] > 1e-3
+    graphs = result["compiled"]["graphs"]  # deferring and all-reducing: two graphs, then reused
+    assert graphs == [graphs[0]] * (micro - 1) + [graphs[0] + 1] * (micro + 1), graphs
+
+
 class _PlainReduceScatter:
     """An FSDP2 ``ReduceScatter`` doing what the default does."""
 
@@ -91,11 +114,7 @@ class _TwoBlocks(torch.nn.Module):
 def _refused(setting: str) -> str:
     torch._dynamo.reset()
     kwargs = {}
-    if setting == "requires_all_reduce":
-        from torch.distributed.device_mesh import init_device_mesh
-
-        kwargs["mesh"] = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
-    elif setting == "int_reshard_after_forward":
+    if setting == "int_reshard_after_forward":
         kwargs["reshard_after_forward"] = 2  # of 4 ranks (1 means False, the world size True)
     elif setting == "offload":
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
@@ -115,13 +134,10 @@ def _refused(setting: str) -> str:
         model.set_separate_reduce_scatter_group()
     compiled = torch.compile(model, backend="fsdp_aot_eager")
     inputs = torch.randn(4, 8)
-    if setting in ("reshard_after_backward", "requires_all_reduce"):
+    if setting == "reshard_after_backward":
         # Set after a first compiled step: the change recompiles, and the new graph is refused.
         compiled(inputs).sum().backward()
-        if setting == "reshard_after_backward":
-            model.set_reshard_after_backward(False)
-        else:
-            model.set_requires_all_reduce(False)
+        model.set_reshard_after_backward(False)
     try:
         compiled(inputs).sum().backward()
     except Exception as error:  # noqa: BLE001 - the message is the result
@@ -133,7 +149,6 @@ def _refused(setting: str) -> str:
     "setting, named",
     [
         ("reshard_after_backward", "set_reshard_after_backward(False)"),
-        ("requires_all_reduce", "set_requires_all_reduce(False)"),
         ("int_reshard_after_forward", "an int reshard_after_forward"),
         ("offload", "CPUOffloadPolicy"),
         ("all_reduce_hook", "set_all_reduce_hook"),
