@@ -12,11 +12,16 @@ from fsdp_compile.api import (
     BackwardPrefetch,
     CPUOffload,
     CPUOffloadPolicy,
+    FullOptimStateDictConfig,
     FullStateDictConfig,
+    LocalOptimStateDictConfig,
     LocalStateDictConfig,
     MixedPrecision,
     MixedPrecisionPolicy,
     OffloadPolicy,
+    OptimStateDictConfig,
+    OptimStateKeyType,
+    ShardedOptimStateDictConfig,
     ShardedStateDictConfig,
     ShardingStrategy,
     StateDictConfig,
@@ -27,6 +32,7 @@ from fsdp_compile.api import (
 from fsdp_compile.collectives import CollectiveRecord, record_collectives
 from fsdp_compile.module import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method, share_comm_ctx
 from fsdp_compile.param_group import TrainingState
+from fsdp_compile.optimizer_state_dict import optim_state_dict, optim_state_dict_to_load, rekey_optim_state_dict
 from fsdp_compile.param import ShardedState
 from fsdp_compile.state_dict import get_state_dict_type, state_dict_type
 from fsdp_compile.unshard_params import unshard_params
@@ -54,6 +60,14 @@ __all__ = [
     "LocalStateDictConfig",
     "ShardedStateDictConfig",
     "StateDictSettings",
+    "optim_state_dict",
+    "optim_state_dict_to_load",
+    "rekey_optim_state_dict",
+    "OptimStateDictConfig",
+    "FullOptimStateDictConfig",
+    "LocalOptimStateDictConfig",
+    "ShardedOptimStateDictConfig",
+    "OptimStateKeyType",
     "ShardingStrategy",
     "BackwardPrefetch",
     "MixedPrecision",

@@ -21,6 +21,11 @@ __all__ = [
     "FullStateDictConfig",
     "LocalStateDictConfig",
     "ShardedStateDictConfig",
+    "OptimStateDictConfig",
+    "FullOptimStateDictConfig",
+    "LocalOptimStateDictConfig",
+    "ShardedOptimStateDictConfig",
+    "OptimStateKeyType",
     "StateDictSettings",
 ]
 
@@ -243,7 +248,51 @@ class ShardedStateDictConfig(StateDictConfig):
     pass
 
 
+@dataclass
+class OptimStateDictConfig:
+    """Base of the optimizer state-dict configs (``fsdp_compile.optim_state_dict``).
+
+    ``offload_to_cpu``: return the state's tensors on CPU. FSDP1's default is ``True`` for the
+    full and sharded kinds, ``False`` for the local one.
+    """
+
+    offload_to_cpu: bool = True
+
+
+@dataclass
+class FullOptimStateDictConfig(OptimStateDictConfig):
+    """``rank0_only``: saving, only rank 0 gets the full optimizer state (the other ranks an empty
+    dict, they still take part in the all-gathers); loading, only rank 0's dict is read and
+    broadcast, the other ranks may pass ``{}``."""
+
+    rank0_only: bool = False
+
+
+@dataclass
+class LocalOptimStateDictConfig(OptimStateDictConfig):
+    offload_to_cpu: bool = False
+
+
+@dataclass
+class ShardedOptimStateDictConfig(OptimStateDictConfig):
+    pass
+
+
+class OptimStateKeyType(Enum):
+    """What the keys of an optimizer state dict's ``"state"`` (and its groups' ``"params"``) are.
+
+    - ``PARAM_NAME``: parameter FQNs (``"layers.0.attention.wq.weight"``), what
+      ``optim_state_dict`` returns; independent of the optimizer's parameter order.
+    - ``PARAM_ID``: positions in the optimizer's parameter order, what
+      ``torch.optim.Optimizer.state_dict()`` gives and ``load_state_dict`` takes.
+    """
+
+    PARAM_NAME = auto()
+    PARAM_ID = auto()
+
+
 @dataclass(frozen=True)
 class StateDictSettings:
     state_dict_type: StateDictType
     state_dict_config: StateDictConfig
+    optim_state_dict_config: OptimStateDictConfig

@@ -29,8 +29,12 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_compile.api import (
+    FullOptimStateDictConfig,
     FullStateDictConfig,
+    LocalOptimStateDictConfig,
     LocalStateDictConfig,
+    OptimStateDictConfig,
+    ShardedOptimStateDictConfig,
     ShardedStateDictConfig,
     StateDictConfig,
     StateDictSettings,
@@ -43,11 +47,16 @@ from fsdp_compile.state import FSDPState, all_states_under, state_of
 
 __all__ = ["state_dict_type", "get_state_dict_type", "register_state_dict_hooks"]
 
-_DEFAULT_SETTINGS = StateDictSettings(StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig())
+_DEFAULT_SETTINGS = StateDictSettings(StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(), ShardedOptimStateDictConfig())
 _CONFIG_CLASS = {
     StateDictType.FULL_STATE_DICT: FullStateDictConfig,
     StateDictType.LOCAL_STATE_DICT: LocalStateDictConfig,
     StateDictType.SHARDED_STATE_DICT: ShardedStateDictConfig,
+}
+_OPTIM_CONFIG_CLASS = {
+    StateDictType.FULL_STATE_DICT: FullOptimStateDictConfig,
+    StateDictType.LOCAL_STATE_DICT: LocalOptimStateDictConfig,
+    StateDictType.SHARDED_STATE_DICT: ShardedOptimStateDictConfig,
 }
 _LOCAL_WORLD_KEY = "fsdp_compile_local_shard_world_size"
 
@@ -56,35 +65,40 @@ _LOCAL_WORLD_KEY = "fsdp_compile_local_shard_world_size"
 
 
 class state_dict_type:  # noqa: N801 - used like FSDP1's function-style context manager
-    """Set which state dict the ``fully_shard`` modules under ``module`` save and load.
+    """Set which state dict the ``fully_shard`` modules under ``module`` save and load, and which
+    optimizer state dict ``fsdp_compile.optim_state_dict`` / ``optim_state_dict_to_load`` use.
 
     Takes effect when called; used as a context manager, restores the previous settings on exit
-    (FSDP1's ``FSDP.state_dict_type`` / ``set_state_dict_type``).
+    (FSDP1's ``FSDP.state_dict_type`` / ``set_state_dict_type``). Each config defaults to its
+    class's defaults and must be the class that belongs to ``state_dict_type``.
 
     Example::
 
         with fsdp_compile.state_dict_type(model, StateDictType.FULL_STATE_DICT,
-                                          FullStateDictConfig(rank0_only=True, offload_to_cpu=True)):
+                                          FullStateDictConfig(rank0_only=True, offload_to_cpu=True),
+                                          FullOptimStateDictConfig(rank0_only=True)):
             full = model.state_dict()        # plain tensors on rank 0, {} elsewhere
+            optim_full = fsdp_compile.optim_state_dict(model, optimizer)   # likewise
         model.load_state_dict(full)            # default again: sharded; full tensors are accepted too
     """
 
-    def __init__(self, module: nn.Module, state_dict_type: StateDictType, state_dict_config: StateDictConfig | None = None) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        state_dict_type: StateDictType,
+        state_dict_config: StateDictConfig | None = None,
+        optim_state_dict_config: OptimStateDictConfig | None = None,
+    ) -> None:
         if not isinstance(state_dict_type, StateDictType):
             raise TypeError(f"state_dict_type takes a StateDictType member, got {state_dict_type!r}")
-        config_class = _CONFIG_CLASS[state_dict_type]
-        config = config_class() if state_dict_config is None else state_dict_config
-        if type(config) is not config_class:
-            raise ValueError(
-                f"{state_dict_type.name} takes a {config_class.__name__}, got {type(config).__name__}; "
-                f"pass {config_class.__name__}(...) or None"
-            )
+        config = _checked_config(state_dict_type, state_dict_config, _CONFIG_CLASS, "state_dict_config")
+        optim_config = _checked_config(state_dict_type, optim_state_dict_config, _OPTIM_CONFIG_CLASS, "optim_state_dict_config")
         states = all_states_under([module])
         if not states:
             raise ValueError(f"state_dict_type: no fully_shard module in this {type(module).__name__}; apply fully_shard first")
         self._previous = {state: get_state_dict_type(state) for state in states}
         for state in states:
-            state.state_dict_settings = StateDictSettings(state_dict_type, config)
+            state.state_dict_settings = StateDictSettings(state_dict_type, config, optim_config)
 
     def __enter__(self) -> "state_dict_type":
         return self
@@ -92,6 +106,18 @@ class state_dict_type:  # noqa: N801 - used like FSDP1's function-style context 
     def __exit__(self, *exc: Any) -> None:
         for state, settings in self._previous.items():
             state.state_dict_settings = settings
+
+
+def _checked_config(kind: StateDictType, config: Any, classes: dict, argument: str) -> Any:
+    config_class = classes[kind]
+    if config is None:
+        return config_class()
+    if type(config) is not config_class:
+        raise ValueError(
+            f"{kind.name} takes {argument}={config_class.__name__}(...), got {type(config).__name__}; "
+            f"pass {config_class.__name__}(...) or None"
+        )
+    return config
 
 
 def get_state_dict_type(module_or_state: nn.Module | FSDPState) -> StateDictSettings:
