@@ -10,6 +10,7 @@ Example::
 from fsdp_compile import config
 from fsdp_compile.api import (
     BackwardPrefetch,
+    CommPolicy,
     CPUOffload,
     CPUOffloadPolicy,
     FullOptimStateDictConfig,
@@ -44,6 +45,7 @@ __all__ = [
     "FSDPModule",
     "UnshardHandle",
     "MixedPrecisionPolicy",
+    "CommPolicy",
     "OffloadPolicy",
     "CPUOffloadPolicy",
     "TrainingState",

@@ -9,6 +9,7 @@ import torch
 
 __all__ = [
     "MixedPrecisionPolicy",
+    "CommPolicy",
     "OffloadPolicy",
     "CPUOffloadPolicy",
     "ShardingStrategy",
@@ -52,6 +53,59 @@ class MixedPrecisionPolicy:
     reduce_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
+
+
+@dataclass(frozen=True)
+class CommPolicy:
+    """What one ``fully_shard`` group puts on the wire, beyond :class:`MixedPrecisionPolicy`.
+
+    Args:
+        all_gather_dtype: ``torch.int8`` or ``torch.float8_e4m3fn``: parameters are all-gathered
+            block-quantized (one float32 absmax scale per ``block_size`` elements, sent beside
+            the data), and forward and backward compute with the dequantized weights, which
+            the gradient treats as the parameter; the optimizer keeps the full-precision shards.
+            Error per element: int8 at most half the block's scale (absmax / 127); e4m3 at most
+            ``2**-4 * |x| + 2**-10 * scale`` (scale = absmax / 448). ``None``: ``param_dtype``.
+        block_size: elements per scale (default 128); scales add ``4 / block_size`` bytes per element.
+        reduce_wire_dtype: gradients travel in this dtype (e.g. ``torch.bfloat16``), as an
+            all-to-all of each rank's chunks instead of a reduce-scatter; every rank then sums
+            what it received in ``reduce_accumulate_dtype``, so the result is the float32 sum of
+            the rounded contributions (no rounding at every hop, as a bf16 reduce-scatter has).
+        reduce_accumulate_dtype: dtype of that sum (float32 by default).
+
+    Example::
+
+        fully_shard(block, comm_policy=CommPolicy(all_gather_dtype=torch.int8,
+                                                  reduce_wire_dtype=torch.bfloat16))
+    """
+
+    all_gather_dtype: torch.dtype | None = None
+    block_size: int = 128
+    reduce_wire_dtype: torch.dtype | None = None
+    reduce_accumulate_dtype: torch.dtype = torch.float32
+
+    def check(self, label: str) -> None:
+        """Raise a clear error for a policy that cannot apply (at ``fully_shard``, before any collective)."""
+        where = f"fully_shard({label}): CommPolicy"
+        quantized = tuple(d for d in (torch.int8, getattr(torch, "float8_e4m3fn", None)) if d is not None)
+        if self.all_gather_dtype is not None and self.all_gather_dtype not in quantized:
+            missing = " (this torch has no torch.float8_e4m3fn; use torch.int8 or a newer torch)" if not hasattr(torch, "float8_e4m3fn") else ""
+            raise ValueError(f"{where}.all_gather_dtype must be torch.int8 or torch.float8_e4m3fn, got {self.all_gather_dtype}{missing}")
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1 or self.block_size % 16:
+            raise ValueError(
+                f"{where}.block_size must be a positive multiple of 16 (whole 16-byte rows of int8 / fp8 data), "
+                f"got {self.block_size!r}; 128 or 256 are usual"
+            )
+        if self.reduce_wire_dtype is not None and not self.reduce_wire_dtype.is_floating_point:
+            raise ValueError(f"{where}.reduce_wire_dtype must be a floating-point dtype such as torch.bfloat16, got {self.reduce_wire_dtype}")
+        if not self.reduce_accumulate_dtype.is_floating_point:
+            raise ValueError(f"{where}.reduce_accumulate_dtype must be floating point, got {self.reduce_accumulate_dtype}")
+        if self.reduce_accumulate_dtype != torch.float32 and self.reduce_wire_dtype is not None:
+            raise ValueError(f"{where}.reduce_accumulate_dtype: only torch.float32 sums are implemented, got {self.reduce_accumulate_dtype}")
+
+    @property
+    def quantizes_all_gather(self) -> bool:
+        return self.all_gather_dtype is not None
 
 
 @dataclass

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_compile.comm_context import CommContext
-from fsdp_compile.kernels import ops
+from fsdp_compile.kernels import ops, quantized, quantized_reference
 from fsdp_compile.layout import ShardLayout
 from fsdp_compile.mesh import MeshInfo, ShardGroup
 
@@ -27,6 +27,8 @@ __all__ = [
     "issue_all_gather",
     "wait_and_drop",
     "issue_packed_all_gather",
+    "issue_quantized_all_gather",
+    "PendingQuantizedAllGather",
     "issue_reduce_scatter",
     "gradient_divide_factors",
     "ReduceSpec",
@@ -42,7 +44,7 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 class CollectiveRecord:
     """One collective as issued: its kind, the group's label, bytes moved from this rank and why."""
 
-    kind: str  # "all_gather" | "reduce_scatter" | "all_reduce"
+    kind: str  # "all_gather" | "reduce_scatter" (an all-to-all with a CommPolicy's gradient wire) | "all_reduce"
     group: str  # the group's label; for the per-parameter gathers of state dicts and
     # unshard_params, the parameter's name inside its fully_shard module
     numel: int
@@ -50,6 +52,11 @@ class CollectiveRecord:
     # "forward", "forward-prefetch", "backward", "backward-prefetch", "explicit", "state_dict",
     # "unshard_params", "unshard_params-grad"
     reason: str
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the collective's buffer on this rank, in its wire dtype (``numel * itemsize``)."""
+        return self.numel * self.dtype.itemsize
 
 
 _active_recorders: list[list[CollectiveRecord]] = []
@@ -116,15 +123,29 @@ class ReduceSpec:
     shard_group_name: str
     replicate_size: int
     replicate_group_name: str | None  # HSDP: the all-reduce across replicas
+    # CommPolicy.reduce_wire_dtype: the chunks travel in this dtype by all-to-all and each rank sums
+    # what it received in float32 (then ``reduce_dtype`` is float32 and ``pre_divide`` 1: the one
+    # divide comes after the float32 sum).
+    wire_dtype: torch.dtype | None = None
 
     @staticmethod
-    def for_group(mesh_info: MeshInfo, reduce_dtype: torch.dtype, grad_dtype: torch.dtype, divide_factor: float | None) -> "ReduceSpec":
+    def for_group(
+        mesh_info: MeshInfo, reduce_dtype: torch.dtype, grad_dtype: torch.dtype, divide_factor: float | None,
+        wire_dtype: torch.dtype | None = None,
+    ) -> "ReduceSpec":
         pre_divide, post_divide = gradient_divide_factors(mesh_info.data_parallel_size, divide_factor)
+        if wire_dtype is not None:
+            pre_divide, post_divide, reduce_dtype = 1.0, pre_divide * post_divide, torch.float32
         replicate = mesh_info.replicate_group
         return ReduceSpec(
             reduce_dtype, grad_dtype, pre_divide, post_divide, mesh_info.shard_size, mesh_info.shard_group.group_name,
-            mesh_info.replicate_size, None if replicate is None else replicate.group_name,
+            mesh_info.replicate_size, None if replicate is None else replicate.group_name, wire_dtype,
         )
+
+    @property
+    def reduce_input_dtype(self) -> torch.dtype:
+        """The dtype gradients are laid out in for the collective: the wire's when set."""
+        return self.wire_dtype if self.wire_dtype is not None else self.reduce_dtype
 
 
 def _allocate(custom: Any, size: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -294,12 +315,14 @@ def issue_reduce_scatter(
     gradients_ready = handle.record_event(handle.current_stream(), "gradients")
     handle.wait_event(stream, gradients_ready)
     with handle.on_stream(stream, "reduce_scatter_copy_in"):
-        reduce_input = _allocate(custom, (world_size, total), spec.reduce_dtype, comm.device)
+        reduce_input = _allocate(custom, (world_size, total), spec.reduce_input_dtype, comm.device)
         ops.reduce_scatter_copy_in(grads, padded_numels, reduce_input, spec.pre_divide)
         for grad in grads:
             # The compute stream frees these grads once we return; the copy-in may still read them.
             handle.keep_alive(grad, stream)
-    record(CollectiveRecord("reduce_scatter", label, total * world_size, spec.reduce_dtype, "backward"))
+    record(CollectiveRecord("reduce_scatter", label, total * world_size, spec.reduce_input_dtype, "backward"))
+    if spec.wire_dtype is not None:
+        return _issue_wire_reduction(reduce_input, group, comm, label, custom)
     with handle.on_stream(stream, "reduce_scatter"):
         work, output = None, reduce_input.view(-1)
         if world_size > 1 or custom is not None:
@@ -313,6 +336,75 @@ def issue_reduce_scatter(
                 _raise_collective_error("reduce-scatter", label, error)
         event = handle.record_event(stream, "reduce_scatter")
     return PendingReduceScatter(work, output, label, event, keep_alive=[reduce_input])
+
+
+def _issue_wire_reduction(
+    reduce_input: torch.Tensor, group: ShardGroup, comm: CommContext, label: str, custom: Any
+) -> PendingReduceScatter:
+    """CommPolicy's gradient wire: an all-to-all hands each rank every rank's chunk of its shard, in
+    the wire dtype, as a ``[world, total]`` tensor; the copy-out sums its rows in float32."""
+    if custom is not None:
+        raise NotImplementedError(
+            f"fsdp_compile: group '{label}' has both a custom reduce-scatter and CommPolicy.reduce_wire_dtype; the wire "
+            "reduction is an all-to-all. Use one of the two."
+        )
+    handle, stream = comm.handle, comm.reduce_scatter_stream
+    with handle.on_stream(stream, "reduce_scatter"):
+        work, received = None, reduce_input
+        if group.shard_size > 1:
+            received = torch.empty_like(reduce_input)
+            try:
+                work = dist.all_to_all_single(received.view(-1), reduce_input.view(-1), group=group.shard_group, async_op=True)
+            except Exception as error:  # noqa: BLE001
+                _raise_collective_error("all-to-all (gradient wire)", label, error)
+        event = handle.record_event(stream, "reduce_scatter")
+    return PendingReduceScatter(work, received, label, event, keep_alive=[reduce_input])
+
+
+@dataclass
+class PendingQuantizedAllGather:
+    """CommPolicy's block-quantized all-gather in flight: the data and the scales, two collectives."""
+
+    data: PendingAllGather
+    scales: PendingAllGather
+
+    @property
+    def overlapped(self) -> bool:
+        return self.data.overlapped
+
+    def wait(self, comm: CommContext) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.data.wait(comm), self.scales.wait(comm)
+
+
+def issue_quantized_all_gather(
+    shards: list[torch.Tensor], padded_numels: list[int], wire_dtype: torch.dtype, block_size: int, group: ShardGroup,
+    comm: CommContext, label: str, reason: str,
+) -> PendingQuantizedAllGather:
+    """Quantize this rank's shards per block into its rows of a data and a scale buffer (one fused
+    copy-in) and all-gather both; see [Note: quantized all-gather layout] in kernels/quantized_reference.py."""
+    slots = sum(quantized_reference.quantized_slot_numels(padded_numels, block_size))
+    # gloo has no float8 dtype: e4m3 travels as its bytes.
+    buffer_dtype = quantized_reference.E4M3_BYTES if wire_dtype == torch.float8_e4m3fn else wire_dtype
+    world_size, handle = group.shard_size, comm.handle
+    copy_in_stream, all_gather_stream = comm.all_gather_streams(reason)
+    with handle.on_stream(copy_in_stream, "all_gather_copy_in"):
+        data = torch.empty((world_size, slots), dtype=buffer_dtype, device=comm.device)
+        scales = torch.empty((world_size, slots // block_size), dtype=torch.float32, device=comm.device)
+        quantized.quantized_all_gather_copy_in(shards, padded_numels, data[group.shard_rank], scales[group.shard_rank], block_size)
+    handle.wait_stream(all_gather_stream, copy_in_stream)
+    pending = []
+    for output, dtype in ((data, wire_dtype), (scales, torch.float32)):
+        record(CollectiveRecord("all_gather", label, output.shape[1], dtype, reason))
+        work = None
+        with handle.on_stream(all_gather_stream, "all_gather"):
+            if world_size > 1:
+                try:
+                    work = all_gather_single(output.view(-1), output[group.shard_rank], group=group.shard_group, async_op=True)
+                except Exception as error:  # noqa: BLE001
+                    _raise_collective_error("all-gather", label, error)
+            event = handle.record_event(all_gather_stream, "all_gather")
+        pending.append(PendingAllGather(work, output, label, event, copy_in_stream is comm.all_gather_copy_in_stream))
+    return PendingQuantizedAllGather(*pending)
 
 
 def gather_full(local: torch.Tensor, layout: ShardLayout, group: ShardGroup, device: torch.device, label: str, reason: str) -> torch.Tensor:

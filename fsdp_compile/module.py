@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdp_compile.api import BackwardPrefetch, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from fsdp_compile.api import BackwardPrefetch, CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from fsdp_compile.mesh import MeshInfo, default_mesh, separate_group_of, mesh_device, mesh_info_for, post_forward_mesh_info_for
 from fsdp_compile.optimizer_check import install_optimizer_check, mark_replaced
 from fsdp_compile.param import FSDPParam, ParamRef
@@ -454,6 +454,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
+    comm_policy: CommPolicy = CommPolicy(),
 ) -> nn.Module | list[nn.Module]:
     """Shard ``module``'s parameters on dim 0 across ``mesh``; one all-gather / reduce-scatter group.
 
@@ -473,6 +474,8 @@ def fully_shard(
         mp_policy: mixed-precision dtypes, see :class:`MixedPrecisionPolicy`.
         offload_policy: :class:`CPUOffloadPolicy` keeps shards and gradients on CPU.
         ignored_params: parameters left alone (not sharded, not reduced).
+        comm_policy: what goes on the wire: block-quantized all-gathers, a low-precision
+            gradient wire with float32 sums; see :class:`CommPolicy`.
 
     Example::
 
@@ -507,6 +510,7 @@ def fully_shard(
     post_forward_size = _check_reshard_after_forward(reshard_after_forward, info, label)
     params, refs = _collect_params(modules, {id(p) for p in ignored_params or ()})
     _check_params(params, refs, device, label)
+    _check_comm_policy(comm_policy, params, refs, post_forward_size, label)
     shard_dims = [_shard_dim(param, refs[id(param)][0].fqn, shard_placement_fn, info, label) for param in params]
     post_forward_info = post_forward_mesh_info_for(info, post_forward_size) if post_forward_size else None
     _move_buffers(modules, device)
@@ -527,7 +531,7 @@ def fully_shard(
     if fsdp_params:
         group = FSDPParamGroup(
             fsdp_params, modules, label, info, post_forward_info, device,
-            reshard_after_forward=reshard_after_forward is not False,
+            reshard_after_forward=reshard_after_forward is not False, comm_policy=comm_policy,
         )
     state = FSDPState(modules, group, mp_policy, device, auto_reshard_after_forward=reshard_after_forward is None)
     register_state_dict_hooks(state)
@@ -546,6 +550,28 @@ def fully_shard(
             _fsdp_classes[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
         m.__class__ = _fsdp_classes[cls]
     return module
+
+
+def _check_comm_policy(
+    policy: CommPolicy, params: list[nn.Parameter], refs: dict[int, list[ParamRef]], post_forward_size: int, label: str
+) -> None:
+    if not isinstance(policy, CommPolicy):
+        raise TypeError(f"fully_shard({label}): comm_policy takes a fsdp_compile.CommPolicy, got {type(policy).__name__}")
+    policy.check(label)
+    if not policy.quantizes_all_gather:
+        return
+    for param in params:
+        if not param.is_floating_point():
+            raise ValueError(
+                f"fully_shard({label}): CommPolicy(all_gather_dtype={policy.all_gather_dtype}) quantizes floating-point "
+                f"parameters, but '{refs[id(param)][0].fqn}' is {param.dtype}; give it a fully_shard call of its own "
+                "without the all-gather quantization, or pass it in ignored_params"
+            )
+    if post_forward_size:
+        raise ValueError(
+            f"fully_shard({label}): an int reshard_after_forward re-gathers full-precision post-forward shards, which "
+            "CommPolicy's quantized all-gather does not do; pass reshard_after_forward=True or False"
+        )
 
 
 def _shard_dim(param: nn.Parameter, name: str, shard_placement_fn: Callable | None, info: MeshInfo, label: str) -> int:

@@ -9,9 +9,12 @@ import torch
 import torch.nn as nn
 
 from fsdp_compile import collectives
-from fsdp_compile.collectives import PendingAllGather, PendingPackedAllGather, PendingReduceScatter, ReduceSpec
+from fsdp_compile.api import CommPolicy
+from fsdp_compile.collectives import (
+    PendingAllGather, PendingPackedAllGather, PendingQuantizedAllGather, PendingReduceScatter, ReduceSpec,
+)
 from fsdp_compile.comm_context import CommContext
-from fsdp_compile.kernels import ops
+from fsdp_compile.kernels import ops, quantized, quantized_reference
 from fsdp_compile.mesh import MeshInfo, PostForwardMeshInfo
 from fsdp_compile.param import FSDPParam, ShardedState
 
@@ -55,8 +58,10 @@ class FSDPParamGroup:
         post_forward_mesh_info: PostForwardMeshInfo | None,
         device: torch.device,
         reshard_after_forward: bool,
+        comm_policy: CommPolicy = CommPolicy(),
     ) -> None:
         self.fsdp_params = fsdp_params
+        self.comm_policy = comm_policy
         for index, fsdp_param in enumerate(fsdp_params):
             fsdp_param.index_in_group = index
         self.modules = modules
@@ -102,7 +107,9 @@ class FSDPParamGroup:
     def reduce_spec(self) -> ReduceSpec:
         """How this group's gradients are reduced now (its settings change it)."""
         first = self.fsdp_params[0]
-        return ReduceSpec.for_group(self.mesh_info, first.reduce_dtype, first.orig_dtype, self.gradient_divide_factor)
+        return ReduceSpec.for_group(
+            self.mesh_info, first.reduce_dtype, first.orig_dtype, self.gradient_divide_factor, self.comm_policy.reduce_wire_dtype
+        )
 
     # --- dtypes -----------------------------------------------------------------------------
     @property
@@ -130,6 +137,13 @@ class FSDPParamGroup:
         if any(p.uses_all_gather_extension for p in self.fsdp_params):
             self._unshard_packed(reason)
             return
+        policy = self.comm_policy
+        if policy.quantizes_all_gather:
+            self._pending_all_gather = collectives.issue_quantized_all_gather(
+                [p.all_gather_input() for p in self.fsdp_params], [p.padded_shard_numel for p in self.fsdp_params],
+                policy.all_gather_dtype, policy.block_size, self.mesh_info, self.comm, self.label, reason,
+            )
+            return
         if self.sharded_state == ShardedState.SHARDED_POST_FORWARD:
             group = self.post_forward_mesh_info
             assert group is not None
@@ -146,6 +160,11 @@ class FSDPParamGroup:
 
     def _unshard_packed(self, reason: str) -> None:
         """The all-gather of a group with an all-gather extension; see [Note: all-gather extensions]."""
+        if self.comm_policy.quantizes_all_gather:
+            raise NotImplementedError(
+                f"fsdp_compile: group '{self.label}' has a parameter with an all-gather extension (fsdp_pre_all_gather), "
+                "which sends its own representation; CommPolicy.all_gather_dtype cannot quantize it. Leave all_gather_dtype unset."
+            )
         if self.sharded_state != ShardedState.SHARDED:
             raise NotImplementedError(
                 f"fsdp_compile: group '{self.label}' has a parameter with an all-gather extension, which an int "
@@ -175,6 +194,18 @@ class FSDPParamGroup:
                 for fsdp_param, gathered_outputs in zip(self.fsdp_params, outputs):
                     fsdp_param.finish_unshard_from_outputs(gathered_outputs)
             self.comm.after_copy_out(pending.pending, in_forward)
+            self._expose_unsharded()
+            return
+        if isinstance(pending, PendingQuantizedAllGather):
+            data, scales = pending.wait(self.comm)
+            with torch.no_grad():
+                outs = [p.unsharded_data_for_copy_out() for p in self.fsdp_params]
+                quantized.quantized_all_gather_copy_out(
+                    data, scales, [p.padded_shard_numel for p in self.fsdp_params], outs, self.comm_policy.block_size
+                )
+                for fsdp_param, out in zip(self.fsdp_params, outs):
+                    fsdp_param.finish_copy_out(out)
+            self.comm.after_copy_out(pending.data, in_forward)
             self._expose_unsharded()
             return
         gathered = pending.wait(self.comm)
@@ -276,7 +307,11 @@ class FSDPParamGroup:
         reduced = pending.wait(self.comm)
         spec = self.reduce_spec
         padded = [p.padded_shard_numel for p in params]
-        if self.mesh_info.replicate_group is not None:
+        hybrid = self.mesh_info.replicate_group is not None
+        if reduced.dim() == 2 and (hybrid or self.all_reduce_hook is not None):
+            # The gradient wire's rows, summed in float32 here when more follows; else in the copy-out.
+            reduced = quantized_reference.sum_rows(reduced)
+        if hybrid:
             # See [Note: deferred all-reduce] in param.py.
             segments = [
                 segment.view(p.deferred_all_reduce_sink.shape) for p, segment in zip(params, reduced.split(padded))
@@ -287,7 +322,7 @@ class FSDPParamGroup:
                     segment += deferred
             if not self.requires_all_reduce:
                 for fsdp_param, segment in zip(params, segments):
-                    fsdp_param.deferred_all_reduce_sink.grad = segment.clone()
+                    fsdp_param.deferred_all_reduce_sink.grad = segment.to(fsdp_param.deferred_all_reduce_sink.dtype, copy=True)
                 return
             collectives.all_reduce_replicas(reduced, self.mesh_info.replicate_group, self.label)
         if self.all_reduce_hook is not None:
@@ -307,7 +342,10 @@ class FSDPParamGroup:
             for p, out in zip(params, outs)
         ]
         with torch.no_grad():
-            ops.reduce_scatter_copy_out(reduced, padded, targets, spec.post_divide, accumulate)
+            if reduced.dim() == 2:  # the gradient wire's rows: sum in float32, divide, write, one op
+                quantized.sum_rows_copy_out(reduced, padded, targets, spec.post_divide, accumulate)
+            else:
+                ops.reduce_scatter_copy_out(reduced, padded, targets, spec.post_divide, accumulate)
             for fsdp_param, out, target in zip(params, outs, targets):
                 # Identity, not ``==``: a compare would fall back to elementwise tensor equality.
                 if target is not out:

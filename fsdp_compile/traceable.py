@@ -24,6 +24,7 @@ import torch.fx.traceback as fx_traceback
 from fsdp_compile import config
 from fsdp_compile.annotations import FSDP_ANNOTATION_KEY, GROUP_KEY, PARAM_KEY, RESHARD_AFTER_FORWARD_KEY, STATE_KEY
 from fsdp_compile.collectives import ReduceSpec
+from fsdp_compile.kernels import quantized_reference
 from fsdp_compile.layout import ShardLayout
 
 __all__ = ["trace_annotation", "unshard_for_trace", "install_traced_param_access", "FSDP_ANNOTATION_KEY", "BOUND_PARAMS_ATTR"]
@@ -47,9 +48,42 @@ def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     return F.pad(tensor, [0, 0] * (tensor.dim() - 1) + [0, rows])
 
 
-def _gather(padded_shard: torch.Tensor, param_dtype: torch.dtype, shard_size: int, shard_group_name: str) -> torch.Tensor:
+def _gather(
+    padded_shard: torch.Tensor, param_dtype: torch.dtype, shard_size: int, shard_group_name: str,
+    quantize: tuple[torch.dtype, int] | None = None,
+) -> torch.Tensor:
+    if quantize is not None:
+        return _gather_quantized(padded_shard, param_dtype, shard_size, shard_group_name, *quantize)
     gathered = _functional.all_gather_into_tensor(padded_shard.to(param_dtype), shard_size, shard_group_name)
     return _functional.wait_tensor(gathered)
+
+
+def _gather_quantized(
+    padded_shard: torch.Tensor, param_dtype: torch.dtype, shard_size: int, shard_group_name: str,
+    wire_dtype: torch.dtype, block_size: int,
+) -> torch.Tensor:
+    """CommPolicy's quantized all-gather as graph nodes: the eager copy-in / copy-out's arithmetic
+    (kernels/quantized_reference.py), with the shard zero-padded to whole blocks (its slot)."""
+    flat = padded_shard.reshape(-1)
+    slot = quantized_reference.quantized_slot_numels([flat.numel()], block_size)[0]
+    data, scales = quantized_reference.quantize_blocks(F.pad(flat, [0, slot - flat.numel()]), block_size, wire_dtype)
+    # gloo has no float8 dtype: e4m3 travels as its bytes.
+    sent = data.view(quantized_reference.E4M3_BYTES) if wire_dtype == torch.float8_e4m3fn else data
+    gathered = _functional.wait_tensor(_functional.all_gather_into_tensor(sent, shard_size, shard_group_name))
+    gathered_scales = _functional.wait_tensor(_functional.all_gather_into_tensor(scales, shard_size, shard_group_name))
+    values = quantized_reference.dequantize_blocks(gathered.view(wire_dtype), gathered_scales, block_size, param_dtype)
+    rows = values.view(shard_size, slot)[:, : flat.numel()]
+    return rows.reshape(shard_size * padded_shard.shape[0], *padded_shard.shape[1:])
+
+
+def _reduce_over_wire(grad: torch.Tensor, wire_dtype: torch.dtype, shard_size: int, shard_group_name: str) -> torch.Tensor:
+    """CommPolicy's gradient wire as graph nodes: all-to-all of the chunks in ``wire_dtype``, then the
+    float32 sum of the received rows in rank order (the eager ``sum_rows_copy_out``'s arithmetic)."""
+    sent = grad.to(wire_dtype).contiguous()
+    splits = [grad.shape[0] // shard_size] * shard_size
+    received = _functional.wait_tensor(_functional.all_to_all_single(sent, splits, splits, shard_group_name))
+    rows = received.view(shard_size, -1)
+    return quantized_reference.sum_rows(rows).view(grad.shape[0] // shard_size, *grad.shape[1:])
 
 
 class _AllGatherShard(torch.autograd.Function):
@@ -68,14 +102,16 @@ class _AllGatherShard(torch.autograd.Function):
         ctx, padded_shard: torch.Tensor, accumulated: torch.Tensor | None, deferred: torch.Tensor | None,
         deferred_sink: torch.Tensor | None, param_dtype: torch.dtype, reduce_dtype: torch.dtype, grad_dtype: torch.dtype,
         pre_divide: float, post_divide: float, shard_size: int, shard_group_name: str, replicate_group_name: str | None,
+        wire_dtype: torch.dtype | None, quantize: tuple[torch.dtype, int] | None,
     ) -> torch.Tensor:
         ctx.reduce_dtype, ctx.grad_dtype = reduce_dtype, grad_dtype
         ctx.pre_divide, ctx.post_divide = pre_divide, post_divide
         ctx.shard_size, ctx.shard_group_name, ctx.replicate_group_name = shard_size, shard_group_name, replicate_group_name
         ctx.has_accumulated, ctx.has_deferred = accumulated is not None, deferred is not None
         ctx.defers_all_reduce = deferred_sink is not None
+        ctx.wire_dtype = wire_dtype
         ctx.save_for_backward(*(t for t in (accumulated, deferred) if t is not None))
-        return _gather(padded_shard, param_dtype, shard_size, shard_group_name)
+        return _gather(padded_shard, param_dtype, shard_size, shard_group_name, quantize)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
@@ -87,10 +123,13 @@ class _AllGatherShard(torch.autograd.Function):
             grad = grad + _pad_rows(accumulated, grad.shape[0] - accumulated.shape[0])
         if ctx.pre_divide != 1.0:
             grad = grad / ctx.pre_divide
-        reduced = _functional.wait_tensor(
-            _functional.reduce_scatter_tensor(grad.contiguous(), "sum", ctx.shard_size, ctx.shard_group_name)
-        )
-        no_grads = (None,) * 8
+        if ctx.wire_dtype is not None:
+            reduced = _reduce_over_wire(grad, ctx.wire_dtype, ctx.shard_size, ctx.shard_group_name)
+        else:
+            reduced = _functional.wait_tensor(
+                _functional.reduce_scatter_tensor(grad.contiguous(), "sum", ctx.shard_size, ctx.shard_group_name)
+            )
+        no_grads = (None,) * 10
         if ctx.replicate_group_name is not None:
             if ctx.has_deferred:
                 reduced = reduced + saved.pop(0)
@@ -120,6 +159,7 @@ def unshard_for_trace(
     sharded: torch.Tensor, layout: ShardLayout, param_dtype: torch.dtype, spec: ReduceSpec, annotation: dict[str, object],
     sink: torch.Tensor, requires_gradient_sync: bool, accumulated: torch.Tensor | None,
     deferred: torch.Tensor | None = None, deferred_sink: torch.Tensor | None = None,
+    quantize: tuple[torch.dtype, int] | None = None,
 ) -> torch.Tensor:
     """The full parameter from its sharded DTensor, as traceable functional collectives.
 
@@ -128,20 +168,21 @@ def unshard_for_trace(
     (the sum taken from the sink, or None; Dynamo guards on which, so each case compiles once).
     HSDP: ``deferred`` is the reduce-scattered sum of steps that skipped the all-reduce, added
     before this step's; ``deferred_sink`` (when this step skips it too) receives the sum instead
-    ([Note: deferred all-reduce] in param.py).
+    ([Note: deferred all-reduce] in param.py). ``quantize``: ``(wire dtype, block size)`` of
+    CommPolicy's quantized all-gather, or None.
     """
     with fx_traceback.annotate(annotation):
         local = layout.to_dim0(sharded.to_local())
         # Always pad (possibly by 0 rows): every rank must trace the same ops (fingerprint check).
         padded = _pad_rows(local, layout.chunk - local.shape[0])
         if not requires_gradient_sync:
-            gathered = _gather(padded.detach(), param_dtype, spec.shard_size, spec.shard_group_name)
+            gathered = _gather(padded.detach(), param_dtype, spec.shard_size, spec.shard_group_name, quantize)
             return _AccumulateWithoutSync.apply(layout.full_from_gathered(gathered), sink)
         if accumulated is not None:
             accumulated = layout.to_dim0(accumulated)
         gathered = _AllGatherShard.apply(
             padded, accumulated, deferred, deferred_sink, param_dtype, spec.reduce_dtype, spec.grad_dtype, spec.pre_divide,
-            spec.post_divide, spec.shard_size, spec.shard_group_name, spec.replicate_group_name,
+            spec.post_divide, spec.shard_size, spec.shard_group_name, spec.replicate_group_name, spec.wire_dtype, quantize,
         )
         return layout.full_from_gathered(gathered)
 

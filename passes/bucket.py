@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from fsdp_compile.config import PassConfig
 from fsdp_compile.passes.graph import (
-    ALL_GATHER, ALL_REDUCE, BUCKET_KEY, COLLECTIVE_NAMES, COLLECTIVES, FORCE_STRIDE, FSDP_ANNOTATION_KEY, GROUP_KEY,
+    ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BUCKET_KEY, COLLECTIVE_NAMES, COLLECTIVES, FORCE_STRIDE, FSDP_ANNOTATION_KEY, GROUP_KEY,
     GROUPS_KEY, PARAM_KEY, PARAMS_KEY, REDUCE_SCATTER, RESHARD_AFTER_FORWARD_KEY, WAIT, collective_nodes,
     fsdp_annotation, give_up, single_wait,
 )
@@ -113,6 +113,12 @@ def _member_and_key(node: fx.Node, group: str) -> tuple[_Member, tuple] | None:
     if node.target is ALL_GATHER:
         world, group_name = node.args[1], node.args[2]
         return _Member(node, wait, wait, math.prod(_shape(source))), (ALL_GATHER, group, world, group_name, dtype)
+    if node.target is ALL_TO_ALL:
+        splits, group_name = node.args[1], node.args[3]
+        world = len(splits)
+        if list(node.args[2]) != list(splits) or len(set(splits)) != 1:
+            return None
+        return _Member(node, wait, wait, math.prod(_shape(source)) // world), (ALL_TO_ALL, group, world, group_name, dtype)
     reduce_op, world, group_name = node.args[1], node.args[2], node.args[3]
     result, replicate, added = wait, None, None
     users = list(wait.users)
@@ -146,7 +152,7 @@ def _collect(graph: fx.Graph, target: Any, config: PassConfig) -> list[_Bucket]:
         member, key = found
         buckets.setdefault(key, _Bucket(key, [group])).members.append(member)
     ordered = list(buckets.values())
-    if target is REDUCE_SCATTER:  # a reduce-scatter bucket goes out after its last gradient
+    if target in (REDUCE_SCATTER, ALL_TO_ALL):  # a reduction bucket goes out after its last gradient
         position = {n: i for i, n in enumerate(graph.nodes)}
         ordered.sort(key=lambda b: max(position[m.collective] for m in b.members))
     return _merge_small(ordered, config)
@@ -160,7 +166,7 @@ def _merge_small(buckets: list[_Bucket], config: PassConfig) -> list[_Bucket]:
     for bucket in buckets:
         previous = merged[-1] if merged else None
         if previous is not None and previous.key[:1] + previous.key[2:] == bucket.key[:1] + bucket.key[2:]:
-            world = bucket.key[3] if bucket.key[0] is REDUCE_SCATTER else bucket.key[2]
+            world = bucket.key[3] if bucket.key[0] is REDUCE_SCATTER else bucket.key[2]  # ALL_TO_ALL: key[2] too
             itemsize = bucket.key[-1].itemsize
             if (previous.numel() + bucket.numel()) * world * itemsize <= cap:
                 previous.groups.extend(bucket.groups)
@@ -274,6 +280,49 @@ def _bucket_reduce_scatter(graph: fx.Graph, bucket: _Bucket) -> bool:
     return True
 
 
+def _bucket_all_to_all(graph: fx.Graph, bucket: _Bucket) -> bool:
+    """CommPolicy's gradient wire: one all-to-all of the group's ``[world, total]`` rows; each member's
+    received ``[world * rows, ...]`` is its columns of the result (its float32 sum stays per parameter,
+    for Inductor to fuse)."""
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    sources = [m.collective.args[0] for m in bucket.members]
+    anchor = max(sources, key=position.__getitem__)
+    old = [n for m in bucket.members for n in _chain(m)]
+    dependents = _dependents(old) - set(old)
+    if any(g in dependents for g in sources):
+        give_up("bucket", "gradients of %s depend on each other's all-to-all; left per parameter", bucket.groups)
+        return False
+    _, _, world, group_name, _ = bucket.key
+    annotation = _bucket_annotation(bucket, "all_to_all")
+    total = bucket.numel()
+    cursor = anchor
+
+    def emit(target: Any, args: tuple) -> fx.Node:
+        nonlocal cursor
+        with graph.inserting_after(cursor):
+            cursor = _new_node(graph, target, args, annotation)
+        return cursor
+
+    per_rank = [emit(_aten.reshape.default, (g, [world, m.numel])) for g, m in zip(sources, bucket.members)]
+    copy_in = emit(_aten.cat.default, (per_rank, 1)) if len(per_rank) > 1 else per_rank[0]
+    flat = emit(_aten.reshape.default, (copy_in, [world * total]))
+    splits = [total] * world
+    received = emit(_aten.reshape.default, (emit(WAIT, (emit(ALL_TO_ALL, (flat, splits, splits, group_name)),)), [world, total]))
+    offset = 0
+    for member in bucket.members:
+        piece = emit(_aten.slice.Tensor, (received, 1, offset, offset + member.numel))
+        rows = emit(_aten.clone.default, (piece,))
+        offset += member.numel
+        member.wait.replace_all_uses_with(emit(_aten.view.default, (rows, list(_shape(member.wait)))))
+    for node in [n for n in graph.nodes if n in dependents and position.get(n, -1) < position[anchor]]:
+        cursor.append(node)
+        cursor = node
+    for member in bucket.members:
+        for node in reversed(_chain(member)):
+            graph.erase_node(node)
+    return True
+
+
 def _chain(member: _Member) -> list[fx.Node]:
     chain = [member.collective, member.wait]
     if member.added is not None:
@@ -299,6 +348,8 @@ def bucket_collectives(gm: fx.GraphModule, config: PassConfig) -> fx.GraphModule
         changed |= _bucket_all_gather(graph, bucket)
     for bucket in _collect(graph, REDUCE_SCATTER, config):
         changed |= _bucket_reduce_scatter(graph, bucket)
+    for bucket in _collect(graph, ALL_TO_ALL, config):
+        changed |= _bucket_all_to_all(graph, bucket)
     if changed:
         graph.lint()
         gm.recompile()

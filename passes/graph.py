@@ -25,6 +25,7 @@ from fsdp_compile.annotations import (
 )
 
 __all__ = [
+    "ALL_TO_ALL",
     "FSDP_ANNOTATION_KEY", "GROUP_KEY", "PARAM_KEY", "RESHARD_AFTER_FORWARD_KEY", "STATE_KEY", "BUCKET_KEY", "GROUPS_KEY", "PARAMS_KEY",
     "ALL_GATHER", "REDUCE_SCATTER", "ALL_REDUCE", "WAIT", "COLLECTIVES", "COLLECTIVE_NAMES", "FORCE_STRIDE",
     "collective_nodes", "single_wait", "fsdp_annotation", "is_tangent", "graph_kind", "is_view", "is_copy",
@@ -37,9 +38,10 @@ _aten = torch.ops.aten
 ALL_GATHER = _c10d.all_gather_into_tensor.default
 REDUCE_SCATTER = _c10d.reduce_scatter_tensor.default
 ALL_REDUCE = _c10d.all_reduce.default  # HSDP: the reduced shard across replicas
+ALL_TO_ALL = _c10d.all_to_all_single.default  # CommPolicy's gradient wire (the reduce-scatter's stand-in)
 WAIT = _c10d.wait_tensor.default
-COLLECTIVES = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE)  # what issues work that a WAIT completes
-COLLECTIVE_NAMES = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_REDUCE: "all_reduce"}
+COLLECTIVES = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, ALL_TO_ALL)  # what issues work that a WAIT completes
+COLLECTIVE_NAMES = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_REDUCE: "all_reduce", ALL_TO_ALL: "all_to_all"}
 
 
 def _force_stride_op() -> Any:
