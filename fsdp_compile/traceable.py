@@ -107,6 +107,18 @@ class _AccumulateWithoutSync(torch.autograd.Function):
         return None, grad.to(ctx.sink_dtype)
 
 
+@torch._dynamo.disable
+def _refuse_tensor_parallel(fqn: str) -> None:
+    # Run eagerly at a graph break, so the error reaches the user: an exception raised in traced
+    # code would only make Dynamo fall back to running the frame eagerly.
+    raise NotImplementedError(
+        f"fsdp_inductor: '{fqn}' is a tensor-parallel DTensor parameter; the compiled FSDP path does not support "
+        "tensor parallelism yet. Train it with the eager runtime, compile each block on its own "
+        "(block.compile(...), whose FSDP hooks run eagerly), or set fsdp_compile.config.skip_fsdp_hooks = True "
+        "(the eager fallback)."
+    )
+
+
 def unshard_for_trace(
     sharded: torch.Tensor, layout: ShardLayout, param_dtype: torch.dtype, spec: ReduceSpec, annotation: dict[str, object],
     sink: torch.Tensor, requires_gradient_sync: bool, accumulated: torch.Tensor | None,
@@ -117,6 +129,8 @@ def unshard_for_trace(
     no-sync step's gradient goes there. A synced step reduces its gradient plus ``accumulated``
     (the sum taken from the sink, or None; Dynamo guards on which, so each case compiles once).
     """
+    if len(sharded.placements) != (1 if spec.replicate_group_name is None else 2):  # FSDP's own dims and more
+        _refuse_tensor_parallel(str(annotation[PARAM_KEY]))
     with fx_traceback.annotate(annotation):
         local = layout.to_dim0(sharded.to_local())
         # Always pad (possibly by 0 rows): every rank must trace the same ops (fingerprint check).

@@ -1,0 +1,239 @@
+"""FSDP over tensor-parallel DTensor parameters (2-D dp x tp, 3-D HSDP + TP), eager.
+
+Ranks of a ``(dp, tp)`` mesh: ``rank = dp_index * tp + tp_index``. Every tp rank of one dp index
+sees the same data, so the global batch is split over the dp indices only.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import fsdp_compile
+from fsdp_compile.models import RMSNorm, next_token_loss
+from fsdp_testing import global_batches, local_part, max_param_difference, mean_across_ranks, train_reference
+
+# The issue asks 1e-5 on losses and 1e-3 on parameters; seen: 2e-7 on parameters (torch 2.13).
+LOSS_RTOL = 1e-5
+PARAM_ATOL = 1e-5
+VOCAB, DIM, HEADS, HIDDEN, LAYERS = 32, 16, 4, 32, 2
+
+
+class _Config:
+    vocab_size = VOCAB
+
+
+# --- a small Llama-style model whose attention reads its head count from the TP-local width -------
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head_dim = DIM // HEADS
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(DIM, DIM, bias=False) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        # -1 heads: colwise q/k/v hand back this rank's heads only.
+        q, k, v = (w(x).view(batch, seq, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(DIM, HIDDEN, bias=False)
+        self.w3 = nn.Linear(DIM, HIDDEN, bias=False)
+        self.w2 = nn.Linear(HIDDEN, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(DIM, 1e-5)
+        self.attention = Attention()
+        self.ffn_norm = RMSNorm(DIM, 1e-5)
+        self.feed_forward = FeedForward()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.norm = RMSNorm(DIM, 1e-5)
+        self.output = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.output(self.norm(x))
+
+
+TP_PLAN = {
+    "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+    "attention.wo": RowwiseParallel(),
+    "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(),
+}
+
+
+def build_model(seed: int = 0) -> Model:
+    torch.manual_seed(seed)
+    return Model()
+
+
+def parallelize(model: Model, fully_shard, tp_mesh, dp_mesh, **kwargs) -> Model:
+    """TP plan on each block, then FSDP bottom-up on the dp mesh (torchtitan's order)."""
+    for block in model.layers:
+        parallelize_module(block, tp_mesh, TP_PLAN)
+        fully_shard(block, mesh=dp_mesh, **kwargs)
+    kwargs.pop("reshard_after_forward", None)
+    fully_shard(model, mesh=dp_mesh, **kwargs)
+    return model
+
+
+def train(model, batches, data_rank: int, data_world: int, micro_batches: int = 1, lr: float = 0.05) -> list[float]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    losses = []
+    for batch in batches:
+        local = local_part(batch, data_rank, data_world)
+        total = 0.0
+        micros = local.chunk(micro_batches)
+        for index, micro in enumerate(micros):
+            if micro_batches > 1:
+                model.set_requires_gradient_sync(index == len(micros) - 1)
+            loss = next_token_loss(model(micro), micro) / micro_batches
+            loss.backward()
+            total += loss.item()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(mean_across_ranks(total))
+    return losses
+
+
+def _batches(data_world: int, rows_per_dp_rank: int = 4):
+    return global_batches(steps=3, batch_per_rank=rows_per_dp_rank, world_size=data_world, config=_Config, seq=8)
+
+
+def _movement(before: nn.Module, after: nn.Module) -> float:
+    return max((a - b).abs().max().item() for a, b in zip(before.parameters(), after.parameters()))
+
+
+def _assert_matches_reference(results) -> None:
+    losses, reference_losses, param_diff, movement = results[0][:4]
+    for rank_result in results:
+        assert rank_result[0] == losses, "ranks disagree on the global loss"
+    for step, (ours, ref) in enumerate(zip(losses, reference_losses)):
+        assert abs(ours - ref) <= LOSS_RTOL * abs(ref), f"step {step}: loss {ours} vs reference {ref}"
+    assert param_diff <= PARAM_ATOL, f"parameters differ from the reference by {param_diff}"
+    assert movement > 100 * PARAM_ATOL, f"parameters moved only {movement}: the comparison proves nothing"
+
+
+# --- 2-D: dp x tp ---------------------------------------------------------------------------------
+
+
+def _tp_parity(reshard_after_forward=None, micro_batches: int = 1, explicit_prefetch: bool = False):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh.get_local_rank("dp")
+    batches = _batches(2, rows_per_dp_rank=2 * micro_batches)
+    reference = build_model()
+    initial = copy.deepcopy(reference)
+    kwargs = {} if reshard_after_forward is None else {"reshard_after_forward": reshard_after_forward}
+    model = parallelize(copy.deepcopy(reference), fsdp_compile.fully_shard, mesh["tp"], mesh["dp"], **kwargs)
+    if explicit_prefetch:
+        for current, following in zip(model.layers, model.layers[1:]):
+            current.set_modules_to_forward_prefetch([following])
+            following.set_modules_to_backward_prefetch([current])
+    block = model.layers[0]
+    layouts = {
+        name: (str(tuple(p.placements)), tuple(p.device_mesh.mesh_dim_names))
+        for name, p in block.named_parameters() if name in ("attention.wq.weight", "attention.wo.weight", "ffn_norm.weight")
+    }
+    with fsdp_compile.record_collectives() as log:
+        losses = train(model, batches, dp_rank, 2, micro_batches)
+    # The block's all-gather sends this rank's shards of its TP pieces, over dp only.
+    sent = sum(p.to_local().numel() for p in block.parameters())
+    gathers = {r.numel for r in log if r.kind == "all_gather" and r.group == "layers.0"}
+    reference_losses = train_reference_sgd(reference, batches)
+    return losses, reference_losses, max_param_difference(model, reference), _movement(initial, reference), layouts, gathers, sent
+
+
+def train_reference_sgd(reference: nn.Module, batches, micro_batches: int = 1) -> list[float]:
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    for batch in batches:
+        loss = next_token_loss(reference(batch), batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_fsdp_over_tp_matches_single_process_reference(dist):
+    results = dist.run(4, _tp_parity)
+    _assert_matches_reference(results)
+    layouts, gathers, sent = results[0][4:]
+    # FSDP2's layout: dp placement first, TP's kept; colwise (TP on dim 0) needs _StridedShard on dp.
+    assert layouts["attention.wq.weight"] == ("(_StridedShard(dim=0, sf=2), Shard(dim=0))", ("dp", "tp"))
+    assert layouts["attention.wo.weight"] == ("(Shard(dim=0), Shard(dim=1))", ("dp", "tp"))
+    assert layouts["ffn_norm.weight"] == ("(Shard(dim=0),)", ("dp",))
+    assert gathers == {sent}, f"the block's all-gathers sent {gathers} elements, its dp shards hold {sent}"
+
+
+def test_fsdp_over_tp_keeps_params_no_sync_and_prefetch_semantics(dist):
+    _assert_matches_reference(dist.run(4, _tp_parity, False, 2, True))
+
+
+def _bf16_against_torch_fsdp2():
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecision
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    batches = _batches(2)
+    reference = build_model()
+    initial = copy.deepcopy(reference)
+    ours = parallelize(
+        copy.deepcopy(reference), fsdp_compile.fully_shard, mesh["tp"], mesh["dp"],
+        mp_policy=fsdp_compile.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+    )
+    theirs = parallelize(
+        copy.deepcopy(reference), torch_fully_shard, mesh["tp"], mesh["dp"],
+        mp_policy=TorchMixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+    )
+    dp_rank = mesh.get_local_rank("dp")
+    our_losses = train(ours, batches, dp_rank, 2)
+    their_losses = train(theirs, batches, dp_rank, 2)
+    placements_match = all(
+        a.placements == b.placements and a.device_mesh == b.device_mesh for a, b in zip(ours.parameters(), theirs.parameters())
+    )
+    param_diff = max((a.full_tensor() - b.full_tensor()).abs().max().item() for a, b in zip(ours.parameters(), theirs.parameters()))
+    movement = max(
+        (b.full_tensor() - a).abs().max().item() for a, b in zip(initial.parameters(), theirs.parameters())
+    )
+    return our_losses, their_losses, param_diff, movement, placements_match
+
+
+# Same TP pieces, shards, casts and collectives as FSDP2: on torch 2.13 the two agree bitwise,
+# stronger than the 1e-2 bf16 bound of DESIGN.md section 6.
+def test_bf16_mixed_precision_over_tp_matches_torch_fsdp2_bitwise(dist):
+    ours, theirs, param_diff, movement, placements_match = dist.run(4, _bf16_against_torch_fsdp2)[0]
+    assert placements_match, "sharded parameters are not laid out as FSDP2 lays them out"
+    assert ours == theirs
+    assert param_diff == 0.0 and movement > 1e-3
