@@ -25,6 +25,7 @@ from fsdp_compile.api import (
     fsdp1_kwargs,
 )
 from fsdp_compile.collectives import CollectiveRecord, record_collectives
+from fsdp_compile.mesh import DataParallelMeshDims
 from fsdp_compile.module import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from fsdp_compile.param_group import TrainingState
 from fsdp_compile.param import ShardedState
@@ -38,6 +39,7 @@ __all__ = [
     "UnshardHandle",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "DataParallelMeshDims",
     "CPUOffloadPolicy",
     "TrainingState",
     "ShardedState",

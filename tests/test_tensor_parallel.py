@@ -237,3 +237,261 @@ def test_bf16_mixed_precision_over_tp_matches_torch_fsdp2_bitwise(dist):
     assert placements_match, "sharded parameters are not laid out as FSDP2 lays them out"
     assert ours == theirs
     assert param_diff == 0.0 and movement > 1e-3
+
+
+# --- 3-D: HSDP + TP --------------------------------------------------------------------------------
+
+
+def _hsdp_tp_parity():
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
+    data_rank = mesh.get_local_rank("replicate") * 2 + mesh.get_local_rank("shard")
+    batches = _batches(4, rows_per_dp_rank=1)
+    reference = build_model()
+    initial = copy.deepcopy(reference)
+    model = parallelize(copy.deepcopy(reference), fsdp_compile.fully_shard, mesh["tp"], mesh["replicate", "shard"])
+    layout = str(tuple(model.layers[0].attention.wq.weight.placements))
+    losses = train(model, batches, data_rank, 4)
+    reference_losses = train_reference_sgd(reference, batches)
+    return losses, reference_losses, max_param_difference(model, reference), _movement(initial, reference), layout
+
+
+def test_hsdp_over_tp_on_3d_mesh_matches_single_process_reference(dist):
+    results = dist.run(8, _hsdp_tp_parity)
+    _assert_matches_reference(results)
+    assert results[0][4] == "(Replicate(), _StridedShard(dim=0, sf=2), Shard(dim=0))"
+
+
+# --- dp_mesh_dims: parameters on the full mesh (FSDP2 2.13's SPMD form) ---------------------------
+
+
+class SpmdFeedForward(nn.Module):
+    """Reads DTensor activations on the full (dp, tp) mesh; its weights are DTensors there too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(DIM, HIDDEN, bias=False)
+        self.down = nn.Linear(HIDDEN, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.silu(self.up(x)))
+
+
+class SpmdModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(SpmdFeedForward() for _ in range(LAYERS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _spmd_loss(model: nn.Module, x: torch.Tensor, target: torch.Tensor, mesh=None) -> torch.Tensor:
+    if mesh is not None:  # the local rows as the dp shard of a DTensor batch, replicated over tp
+        out = model(DTensor.from_local(x, mesh, [Shard(0), Replicate()]))
+        x = out.redistribute(mesh, [Shard(0), Replicate()]).to_local()
+    else:
+        x = model(x)
+    return F.mse_loss(x, target)
+
+
+def _dp_mesh_dims_parity():
+    from fsdp_compile import DataParallelMeshDims
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh.get_local_rank("dp")
+    torch.manual_seed(0)
+    reference = SpmdModel()
+    initial = copy.deepcopy(reference)
+    model = copy.deepcopy(reference)
+    for layer in model.layers:
+        for linear, tp_dim in ((layer.up, 0), (layer.down, 1)):  # colwise up, rowwise down
+            linear.weight = nn.Parameter(distribute_tensor(linear.weight.detach(), mesh, [Replicate(), Shard(tp_dim)]))
+        fully_shard_kwargs = {"mesh": mesh, "dp_mesh_dims": DataParallelMeshDims(shard="dp")}
+        fsdp_compile.fully_shard(layer, **fully_shard_kwargs)
+    fsdp_compile.fully_shard(model, **fully_shard_kwargs)
+    layout = str(tuple(model.layers[0].up.weight.placements))
+    generator = torch.Generator().manual_seed(3)
+    data = [(torch.randn(8, DIM, generator=generator), torch.randn(8, DIM, generator=generator)) for _ in range(3)]
+    ours, theirs = torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(reference.parameters(), lr=0.5)
+    losses, reference_losses = [], []
+    for x, target in data:
+        loss = _spmd_loss(model, x.chunk(2)[dp_rank], target.chunk(2)[dp_rank], mesh)
+        loss.backward()
+        ours.step()
+        ours.zero_grad()
+        losses.append(mean_across_ranks(loss.item()))
+        reference_loss = _spmd_loss(reference, x, target)
+        reference_loss.backward()
+        theirs.step()
+        theirs.zero_grad()
+        reference_losses.append(reference_loss.item())
+    return losses, reference_losses, max_param_difference(model, reference), _movement(initial, reference), layout
+
+
+def test_dp_mesh_dims_on_the_full_mesh_matches_single_process_reference(dist):
+    results = dist.run(4, _dp_mesh_dims_parity)
+    _assert_matches_reference(results)
+    assert results[0][4] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
+
+
+# --- state dicts -----------------------------------------------------------------------------------
+
+
+def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.full_tensor().detach().clone() for name, p in model.named_parameters()}
+
+
+def _parallelized(dp: int, tp: int, seed: int, fully_shard=fsdp_compile.fully_shard) -> Model:
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    return parallelize(build_model(seed), fully_shard, mesh["tp"], mesh["dp"])
+
+
+def _dcp_save(directory: str, fully_shard_name: str = "ours") -> dict[str, torch.Tensor]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    fully_shard = torch_fully_shard if fully_shard_name == "torch" else fsdp_compile.fully_shard
+    model = _parallelized(2, 2, seed=1, fully_shard=fully_shard)
+    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=directory)
+    return _full_params(model)
+
+
+def _dcp_load(directory: str, dp: int, tp: int, fully_shard_name: str = "ours") -> dict[str, torch.Tensor]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    fully_shard = torch_fully_shard if fully_shard_name == "torch" else fsdp_compile.fully_shard
+    model = _parallelized(dp, tp, seed=2, fully_shard=fully_shard)
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=directory)
+    set_model_state_dict(model, state["model"])
+    return _full_params(model)
+
+
+def _mismatched(loaded: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]) -> list[str]:
+    assert list(loaded) == list(saved)
+    return [name for name in saved if not torch.equal(loaded[name], saved[name])]
+
+
+@pytest.fixture(scope="module")
+def checkpoint_2x2(dist, tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("tp_dcp") / "dp2_tp2")
+    return directory, dist.run(4, _dcp_save, directory)[0]
+
+
+@pytest.mark.parametrize("dp,tp", [(1, 2), (2, 1)])
+def test_dcp_checkpoint_at_dp2_tp2_loads_bitwise_at(dist, checkpoint_2x2, dp, tp):
+    directory, saved = checkpoint_2x2
+    assert _mismatched(dist.run(2, _dcp_load, directory, dp, tp)[0], saved) == []
+
+
+def test_fsdp2_tp_checkpoint_loads_into_ours_and_back_bitwise(dist, tmp_path):
+    theirs_dir, ours_dir = str(tmp_path / "theirs"), str(tmp_path / "ours")
+    saved = dist.run(4, _dcp_save, theirs_dir, "torch")[0]
+    assert _mismatched(dist.run(4, _dcp_load, theirs_dir, 2, 2)[0], saved) == []
+    ours = dist.run(4, _dcp_save, ours_dir)[0]
+    assert _mismatched(dist.run(4, _dcp_load, ours_dir, 2, 2, "torch")[0], ours) == []
+
+
+def _full_state_dict_and_unshard_params():
+    model = _parallelized(2, 2, seed=1)
+    full = _full_params(model)
+    with fsdp_compile.state_dict_type(model, fsdp_compile.StateDictType.FULL_STATE_DICT):
+        state = model.state_dict()
+    plain = all(type(v) is torch.Tensor for v in state.values())
+    state_mismatch = [k for k, v in state.items() if not torch.equal(v, full[k])]
+    with fsdp_compile.unshard_params(model), torch.no_grad():
+        exposed_mismatch = [k for k, p in model.named_parameters() if not torch.equal(p.detach(), full[k])]
+        model.layers[0].attention.wq.weight.mul_(2)
+    written = torch.equal(model.layers[0].attention.wq.weight.full_tensor(), 2 * full["layers.0.attention.wq.weight"])
+    state["layers.1.feed_forward.w2.weight"] = state["layers.1.feed_forward.w2.weight"] + 1
+    model.load_state_dict(state)
+    loaded = torch.equal(model.layers[1].feed_forward.w2.weight.full_tensor(), full["layers.1.feed_forward.w2.weight"] + 1)
+    return plain, state_mismatch, exposed_mismatch, written, loaded
+
+
+def test_full_state_dict_and_unshard_params_are_full_across_tp(dist):
+    plain, state_mismatch, exposed_mismatch, written, loaded = dist.run(4, _full_state_dict_and_unshard_params)[0]
+    assert plain and state_mismatch == [] and exposed_mismatch == []
+    assert written, "unshard_params did not write an edit back into the TP shards"
+    assert loaded, "a full state dict did not load into the TP shards"
+
+
+# --- errors ----------------------------------------------------------------------------------------
+
+
+def _raises(action) -> str:
+    try:
+        action()
+    except (ValueError, RuntimeError, TypeError, NotImplementedError) as error:
+        return f"{type(error).__name__}: {error}"
+    return ""
+
+
+def _error_messages() -> dict[str, str]:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from fsdp_compile import DataParallelMeshDims
+
+    fully_shard = fsdp_compile.fully_shard
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    plan = {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()}
+    messages = {}
+    # Ranks laid out differently: its "b" groups are mesh's dp groups.
+    transposed = DeviceMesh("cpu", torch.arange(4).view(2, 2).t().contiguous(), mesh_dim_names=("a", "b"))
+    module = parallelize_module(FeedForward(), transposed["b"], plan)
+    messages["not_sibling"] = _raises(lambda: fully_shard(module, mesh=mesh["dp"]))
+    module = parallelize_module(FeedForward(), mesh["dp"], plan)
+    messages["overlapping"] = _raises(lambda: fully_shard(module, mesh=mesh["dp"]))
+    module = nn.Linear(4, 4, bias=False)
+    module.weight = nn.Parameter(DTensor.from_local(torch.randn(4, 4), mesh["tp"], [Partial()]))
+    messages["partial"] = _raises(lambda: fully_shard(module, mesh=mesh["dp"]))
+    module = nn.Linear(4, 4, bias=False)
+    strided = DTensor.from_local(torch.randn(2, 4), mesh["tp"], [_StridedShard(0, split_factor=2)], shape=(4, 4), stride=(4, 1))
+    module.weight = nn.Parameter(strided)
+    messages["strided"] = _raises(lambda: fully_shard(module, mesh=mesh["dp"]))
+    messages["spmd_plain"] = _raises(lambda: fully_shard(FeedForward(), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp")))
+    # Tied across two groups: still reported, naming the group that has it.
+    first = parallelize_module(FeedForward(), mesh["tp"], plan)
+    second = parallelize_module(FeedForward(), mesh["tp"], plan)
+    second.w1.weight = first.w1.weight
+    pair = nn.Sequential(first, second)
+    fully_shard(first, mesh=mesh["dp"])
+    messages["tied"] = _raises(lambda: fully_shard(pair, mesh=mesh["dp"]))
+    return messages
+
+
+@pytest.fixture(scope="module")
+def error_messages(dist) -> dict[str, str]:
+    return dist.run(4, _error_messages)[0]
+
+
+def test_tp_mesh_from_another_mesh_names_parameter_and_fix(error_messages):
+    message = error_messages["not_sibling"]
+    assert "'w1.weight'" in message and "not a sibling" in message and "init_device_mesh" in message
+
+
+def test_tp_plan_on_the_dp_mesh_is_refused(error_messages):
+    message = error_messages["overlapping"]
+    assert "'w1.weight'" in message and "already distributed over the data-parallel ranks" in message
+
+
+@pytest.mark.parametrize("case", ["partial", "strided"])
+def test_placements_fsdp_cannot_compose_with_are_refused(error_messages, case):
+    message = error_messages[case]
+    assert "'weight'" in message and "Shard(dim) and Replicate()" in message
+
+
+def test_dp_mesh_dims_needs_dtensor_parameters(error_messages):
+    assert "'w1.weight' is a plain tensor" in error_messages["spmd_plain"] and "distribute_tensor" in error_messages["spmd_plain"]
+
+
+def test_already_managed_error_only_when_true(error_messages):
+    assert "'1.w1.weight' is already managed by fully_shard(FeedForward)" in error_messages["tied"]
