@@ -107,6 +107,19 @@ INDUCTOR_COMM_PASSES_OFF: dict[str, Any] = {
 }
 
 
+def refuse_tensor_parallel_graphs(example_inputs: Sequence[Any]) -> None:
+    """A graph that takes DTensors (tensor-parallel parameters, e.g. under ``config.skip_fsdp_hooks``
+    or a per-block compile) is refused: the passes and the rank checks know plain tensors only."""
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(value, DTensor) for value in example_inputs):
+        raise NotImplementedError(
+            "fsdp_inductor: this graph takes DTensor inputs (tensor-parallel parameters or activations), which the "
+            "compiled FSDP path does not support yet. Train this model with the eager runtime (call it without "
+            "torch.compile)."
+        )
+
+
 def fsdp_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
     """Compile a Dynamo graph of an FSDP model: check ranks agree, tag recompute, hand to Inductor
     with our post-grad passes (bucket, reorder; ``fsdp_compile.config.passes`` as it is now) and
@@ -172,6 +185,7 @@ def admit_traced_parameters(gm: fx.GraphModule) -> None:
 def _compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], passes: Any) -> Any:
     from torch._inductor.compile_fx import compile_fx
 
+    refuse_tensor_parallel_graphs(example_inputs)
     check_collectives_match_across_ranks(gm)
     admit_traced_parameters(gm)
     pass_config = passes.resolved()
@@ -235,6 +249,7 @@ def fsdp_aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: 
     from fsdp_compile import config
     from fsdp_compile.passes import apply_post_grad_passes
 
+    refuse_tensor_parallel_graphs(example_inputs)
     check_collectives_match_across_ranks(gm)
     admit_traced_parameters(gm)
     pass_config = config.passes.resolved()

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 __all__ = [
     "ShardGroup", "MeshInfo", "replicate_mesh", "hybrid_mesh", "PostForwardMeshInfo", "default_mesh", "mesh_info_for",
@@ -205,11 +206,15 @@ def _spmd_mesh_info(mesh: DeviceMesh, dims: DataParallelMeshDims) -> MeshInfo:
     for name in (*dims.shard_names, *dims.replicate_names):
         if name not in names:
             raise ValueError(f"fully_shard: dp_mesh_dims names '{name}', which is not a dim of the mesh {names}")
-    if len(dims.shard_names) != 1 or len(dims.replicate_names) > 1:
+    if not dims.shard_names:
         raise NotImplementedError(
-            f"fully_shard: dp_mesh_dims={dims} is not supported: fsdp_compile takes one shard dim and at most one "
-            "replicate dim. Flatten several dims into one named dim first (mesh[(a, b)]._flatten('dp')), or use "
-            "replicate=None with DDP-style replication left to the caller."
+            f"fully_shard: dp_mesh_dims={dims} names no shard dim (pure replication, FSDP2's DDP mode), which "
+            "fsdp_compile does not support; name the dim to shard over: DataParallelMeshDims(shard=...)."
+        )
+    if len(dims.shard_names) > 1 or len(dims.replicate_names) > 1:
+        raise NotImplementedError(
+            f"fully_shard: dp_mesh_dims={dims} names several shard or replicate dims; fsdp_compile takes one of each. "
+            "Flatten them into one named dim first (mesh[('dp_shard', 'cp')]._flatten('dp_shard_cp')) and name that."
         )
     (shard,) = dims.shard_names
     dp_names = (*dims.replicate_names, shard)
@@ -334,8 +339,6 @@ def tensor_parallel_layout(param: DTensor, info: MeshInfo, shard_dim: int, where
     dp_placements = info.placements(shard_dim)
     split = math.prod(mesh.size(i) for i, p in enumerate(placements) if isinstance(p, Shard) and p.dim == shard_dim)
     if split > 1:
-        from torch.distributed.tensor.placement_types import _StridedShard
-
         dp_placements = (*dp_placements[:-1], _StridedShard(shard_dim, split_factor=split))
     return TensorParallelLayout(
         mesh, placements, joint, (*dp_placements, *placements), frozenset(), param.shape, param.stride(),
@@ -385,12 +388,7 @@ def _spmd_layout(param: DTensor, info: MeshInfo, shard_dim: int, where: str) -> 
         full.size(i) for i, p in enumerate(placements) if i > shard_index and isinstance(p, Shard) and p.dim == shard_dim
     )
     sharded = list(placements)
-    if split > 1:
-        from torch.distributed.tensor.placement_types import _StridedShard
-
-        sharded[shard_index] = _StridedShard(shard_dim, split_factor=split)
-    else:
-        sharded[shard_index] = Shard(shard_dim)
+    sharded[shard_index] = _StridedShard(shard_dim, split_factor=split) if split > 1 else Shard(shard_dim)
     return TensorParallelLayout(
         full, placements, full, tuple(sharded), frozenset(dp_indices), param.shape, param.stride(),
     )

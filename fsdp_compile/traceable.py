@@ -113,9 +113,7 @@ def _refuse_tensor_parallel(fqn: str) -> None:
     # code would only make Dynamo fall back to running the frame eagerly.
     raise NotImplementedError(
         f"fsdp_inductor: '{fqn}' is a tensor-parallel DTensor parameter; the compiled FSDP path does not support "
-        "tensor parallelism yet. Train it with the eager runtime, compile each block on its own "
-        "(block.compile(...), whose FSDP hooks run eagerly), or set fsdp_compile.config.skip_fsdp_hooks = True "
-        "(the eager fallback)."
+        "tensor parallelism yet. Train this model with the eager runtime (call it without torch.compile)."
     )
 
 
