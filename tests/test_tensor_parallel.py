@@ -288,36 +288,44 @@ class SpmdModel(nn.Module):
 
 def _spmd_loss(model: nn.Module, x: torch.Tensor, target: torch.Tensor, mesh=None) -> torch.Tensor:
     if mesh is not None:  # the local rows as the dp shard of a DTensor batch, replicated over tp
-        out = model(DTensor.from_local(x, mesh, [Shard(0), Replicate()]))
-        x = out.redistribute(mesh, [Shard(0), Replicate()]).to_local()
+        rows = [Shard(0)] * (mesh.ndim - 1) + [Replicate()]
+        out = model(DTensor.from_local(x, mesh, rows))
+        x = out.redistribute(mesh, rows).to_local()
     else:
         x = model(x)
     return F.mse_loss(x, target)
 
 
-def _dp_mesh_dims_parity():
+def _dp_mesh_dims_parity(hsdp: bool = False):
+    """FSDP on (dp, tp) with dp_mesh_dims=(shard="dp"), or HSDP on (replicate, shard, tp)."""
     from fsdp_compile import DataParallelMeshDims
     from torch.distributed.tensor import distribute_tensor
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    dp_rank = mesh.get_local_rank("dp")
+    if hsdp:
+        mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
+        dims = DataParallelMeshDims(shard="shard", replicate="replicate")
+        dp_rank, dp_world = mesh.get_local_rank("replicate") * 2 + mesh.get_local_rank("shard"), 4
+    else:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        dims = DataParallelMeshDims(shard="dp")
+        dp_rank, dp_world = mesh.get_local_rank("dp"), 2
     torch.manual_seed(0)
     reference = SpmdModel()
     initial = copy.deepcopy(reference)
     model = copy.deepcopy(reference)
     for layer in model.layers:
         for linear, tp_dim in ((layer.up, 0), (layer.down, 1)):  # colwise up, rowwise down
-            linear.weight = nn.Parameter(distribute_tensor(linear.weight.detach(), mesh, [Replicate(), Shard(tp_dim)]))
-        fully_shard_kwargs = {"mesh": mesh, "dp_mesh_dims": DataParallelMeshDims(shard="dp")}
-        fsdp_compile.fully_shard(layer, **fully_shard_kwargs)
-    fsdp_compile.fully_shard(model, **fully_shard_kwargs)
+            placements = [Replicate()] * (mesh.ndim - 1) + [Shard(tp_dim)]
+            linear.weight = nn.Parameter(distribute_tensor(linear.weight.detach(), mesh, placements))
+        fsdp_compile.fully_shard(layer, mesh=mesh, dp_mesh_dims=dims)
+    fsdp_compile.fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
     layout = str(tuple(model.layers[0].up.weight.placements))
     generator = torch.Generator().manual_seed(3)
     data = [(torch.randn(8, DIM, generator=generator), torch.randn(8, DIM, generator=generator)) for _ in range(3)]
     ours, theirs = torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(reference.parameters(), lr=0.5)
     losses, reference_losses = [], []
     for x, target in data:
-        loss = _spmd_loss(model, x.chunk(2)[dp_rank], target.chunk(2)[dp_rank], mesh)
+        loss = _spmd_loss(model, x.chunk(dp_world)[dp_rank], target.chunk(dp_world)[dp_rank], mesh)
         loss.backward()
         ours.step()
         ours.zero_grad()
@@ -334,6 +342,12 @@ def test_dp_mesh_dims_on_the_full_mesh_matches_single_process_reference(dist):
     results = dist.run(4, _dp_mesh_dims_parity)
     _assert_matches_reference(results)
     assert results[0][4] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
+
+
+def test_dp_mesh_dims_hsdp_on_3d_mesh_matches_single_process_reference(dist):
+    results = dist.run(8, _dp_mesh_dims_parity, True)
+    _assert_matches_reference(results)
+    assert results[0][4] == "(Replicate(), _StridedShard(dim=0, sf=2), Shard(dim=0))"
 
 
 # --- state dicts -----------------------------------------------------------------------------------
