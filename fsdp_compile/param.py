@@ -194,9 +194,7 @@ class FSDPParam:
 
     def piece_of_full(self, full: torch.Tensor) -> torch.Tensor:
         """What FSDP shards of a full (global) tensor: this rank's TP piece (the tensor itself without TP)."""
-        if self.tensor_parallel is None or isinstance(full, DTensor):
-            return full._local_tensor if isinstance(full, DTensor) else full
-        return self.tensor_parallel.local_of_full(full)
+        return full if self.tensor_parallel is None else self.tensor_parallel.local_of_full(full)
 
     def shard_of_full(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's shard (unpadded rows) of a full (global) tensor: no communication."""
