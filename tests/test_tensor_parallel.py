@@ -16,17 +16,16 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import fsdp_compile
-from fsdp_compile.models import RMSNorm, next_token_loss
+from fsdp_compile.models import RMSNorm, TransformerConfig, next_token_loss
 from fsdp_testing import global_batches, local_part, max_param_difference, mean_across_ranks
 
 # The issue asks 1e-5 on losses and 1e-3 on parameters; seen: 2e-7 on parameters (torch 2.13).
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-5
-VOCAB, DIM, HEADS, HIDDEN, LAYERS = 32, 16, 4, 32, 2
+# HIDDEN = 22: each TP piece of w1/w3 (11 rows) splits unevenly over dp (6 + 5, padded).
+VOCAB, DIM, HEADS, HIDDEN, LAYERS = 32, 16, 4, 22, 2
 
-
-class _Config:
-    vocab_size = VOCAB
+DATA = TransformerConfig(vocab_size=VOCAB)  # what global_batches reads: the vocabulary size
 
 
 # --- a small Llama-style model whose attention reads its head count from the TP-local width -------
@@ -127,7 +126,7 @@ def train(model, batches, data_rank: int, data_world: int, micro_batches: int = 
 
 
 def _batches(data_world: int, rows_per_dp_rank: int = 4):
-    return global_batches(steps=3, batch_per_rank=rows_per_dp_rank, world_size=data_world, config=_Config, seq=8)
+    return global_batches(steps=3, batch_per_rank=rows_per_dp_rank, world_size=data_world, config=DATA, seq=8)
 
 
 def _movement(before: nn.Module, after: nn.Module) -> float:
@@ -166,7 +165,8 @@ def _tp_parity(reshard_after_forward=None, micro_batches: int = 1, explicit_pref
     }
     with fsdp_compile.record_collectives() as log:
         losses = train(model, batches, dp_rank, 2, micro_batches)
-    # The block's all-gather sends this rank's shards of its TP pieces, over dp only.
+    # The block's all-gather sends this rank's shards of its TP pieces, over dp only (rank 0 holds
+    # the larger chunk of every uneven split, so its shards need no padding).
     sent = sum(p.to_local().numel() for p in block.parameters())
     gathers = {r.numel for r in log if r.kind == "all_gather" and r.group == "layers.0"}
     reference_losses = train_reference_sgd(reference, batches)
