@@ -48,9 +48,11 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.w1 = nn.Linear(DIM, HIDDEN, bias=False)
+        # Biases on w1 (Shard(0) over TP, 1-D) and w2 (Replicate over TP, whose gradient DTensor
+        # gives back as it likes; FSDP takes it in the parameter's placements, as FSDP2 does).
+        self.w1 = nn.Linear(DIM, HIDDEN, bias=True)
         self.w3 = nn.Linear(DIM, HIDDEN, bias=False)
-        self.w2 = nn.Linear(HIDDEN, DIM, bias=False)
+        self.w2 = nn.Linear(HIDDEN, DIM, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
