@@ -108,14 +108,22 @@ INDUCTOR_COMM_PASSES_OFF: dict[str, Any] = {
 
 
 def refuse_tensor_parallel_graphs(example_inputs: Sequence[Any]) -> None:
-    """A graph that takes DTensors (tensor-parallel parameters, e.g. under ``config.skip_fsdp_hooks``
-    or a per-block compile) is refused: the passes and the rank checks know plain tensors only."""
-    from torch.distributed.tensor import DTensor
+    """A graph that takes a tensor-parallel parameter of a fully_shard group, sharded or unsharded
+    (the eager fallback's and per-block compile's graphs read the unsharded one), is refused: the
+    compiled path does not compose with tensor parallelism yet."""
+    from fsdp_compile.state import live_states
 
-    if any(isinstance(value, DTensor) for value in example_inputs):
+    tensor_parallel = {
+        id(tensor): fsdp_param.fqn
+        for state in live_states() if state.group is not None
+        for fsdp_param in state.group.fsdp_params if fsdp_param.tensor_parallel is not None
+        for tensor in (fsdp_param.sharded_param, fsdp_param._unsharded_param) if tensor is not None
+    }
+    read = [tensor_parallel[id(value)] for value in example_inputs if id(value) in tensor_parallel]
+    if read:
         raise NotImplementedError(
-            "fsdp_inductor: this graph takes DTensor inputs (tensor-parallel parameters or activations), which the "
-            "compiled FSDP path does not support yet. Train this model with the eager runtime (call it without "
+            f"fsdp_inductor: the graph reads the tensor-parallel DTensor parameter '{read[0]}'; the compiled FSDP path "
+            "does not support tensor parallelism yet. Train this model with the eager runtime (call it without "
             "torch.compile)."
         )
 
