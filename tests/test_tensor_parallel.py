@@ -202,6 +202,39 @@ def test_fsdp_over_tp_keeps_params_no_sync_and_prefetch_semantics(dist):
     _assert_matches_reference(dist.run(4, _tp_parity, False, 2, True))
 
 
+def _cpu_offload_parity():
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    batches = _batches(2)
+    reference = build_model()
+    initial = copy.deepcopy(reference)
+    offload = fsdp_compile.CPUOffloadPolicy(pin_memory=False)
+    model = parallelize(copy.deepcopy(reference), fsdp_compile.fully_shard, mesh["tp"], mesh["dp"], offload_policy=offload)
+    losses = train(model, batches, mesh.get_local_rank("dp"), 2)
+    reference_losses = train_reference_sgd(reference, batches)
+    return losses, reference_losses, max_param_difference(model, reference), _movement(initial, reference)
+
+
+def test_cpu_offload_over_tp_matches_single_process_reference(dist):
+    _assert_matches_reference(dist.run(4, _cpu_offload_parity))
+
+
+def _meta_init_then_load() -> float:
+    """torchtitan's order: build on meta, parallelize, fully_shard, to_empty, load the weights."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    with torch.device("meta"):
+        model = Model()
+    model = parallelize(model, fsdp_compile.fully_shard, mesh["tp"], mesh["dp"])
+    model.to_empty(device="cpu")
+    reference = build_model()
+    model.load_state_dict(reference.state_dict())
+    tokens = _batches(1)[0]
+    return max(max_param_difference(model, reference), (model(tokens) - reference(tokens)).abs().max().item())
+
+
+def test_meta_device_init_then_load_over_tp(dist):
+    assert dist.run(4, _meta_init_then_load)[0] < 1e-6
+
+
 def _bf16_against_torch_fsdp2():
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecision
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
