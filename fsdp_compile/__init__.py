@@ -31,6 +31,7 @@ from fsdp_compile.api import (
     fsdp1_kwargs,
 )
 from fsdp_compile.collectives import CollectiveRecord, record_collectives
+from fsdp_compile.mesh import DataParallelMeshDims
 from fsdp_compile.module import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method, share_comm_ctx
 from fsdp_compile.param_group import TrainingState
 from fsdp_compile.optimizer_state_dict import optim_state_dict, optim_state_dict_to_load, rekey_optim_state_dict
@@ -47,6 +48,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "CommPolicy",
     "OffloadPolicy",
+    "DataParallelMeshDims",
     "CPUOffloadPolicy",
     "TrainingState",
     "ShardedState",

@@ -107,6 +107,27 @@ INDUCTOR_COMM_PASSES_OFF: dict[str, Any] = {
 }
 
 
+def refuse_tensor_parallel_graphs(example_inputs: Sequence[Any]) -> None:
+    """A graph that takes a tensor-parallel parameter of a fully_shard group, sharded or unsharded
+    (the eager fallback's and per-block compile's graphs read the unsharded one), is refused: the
+    compiled path does not compose with tensor parallelism yet."""
+    from fsdp_compile.state import live_states
+
+    tensor_parallel = {
+        id(tensor): fsdp_param.fqn
+        for state in live_states() if state.group is not None
+        for fsdp_param in state.group.fsdp_params if fsdp_param.tensor_parallel is not None
+        for tensor in (fsdp_param.sharded_param, fsdp_param._unsharded_param) if tensor is not None
+    }
+    read = [tensor_parallel[id(value)] for value in example_inputs if id(value) in tensor_parallel]
+    if read:
+        raise NotImplementedError(
+            f"fsdp_inductor: the graph reads the tensor-parallel DTensor parameter '{read[0]}'; the compiled FSDP path "
+            "does not support tensor parallelism yet. Train this model with the eager runtime (call it without "
+            "torch.compile)."
+        )
+
+
 def fsdp_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
     """Compile a Dynamo graph of an FSDP model: check ranks agree, tag recompute, hand to Inductor
     with our post-grad passes (bucket, reorder; ``fsdp_compile.config.passes`` as it is now) and
@@ -172,6 +193,7 @@ def admit_traced_parameters(gm: fx.GraphModule) -> None:
 def _compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], passes: Any) -> Any:
     from torch._inductor.compile_fx import compile_fx
 
+    refuse_tensor_parallel_graphs(example_inputs)
     check_collectives_match_across_ranks(gm)
     admit_traced_parameters(gm)
     pass_config = passes.resolved()
@@ -235,6 +257,7 @@ def fsdp_aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: 
     from fsdp_compile import config
     from fsdp_compile.passes import apply_post_grad_passes
 
+    refuse_tensor_parallel_graphs(example_inputs)
     check_collectives_match_across_ranks(gm)
     admit_traced_parameters(gm)
     pass_config = config.passes.resolved()

@@ -11,7 +11,10 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_compile.api import BackwardPrefetch, CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from fsdp_compile.mesh import MeshInfo, default_mesh, separate_group_of, mesh_device, mesh_info_for, post_forward_mesh_info_for
+from fsdp_compile.mesh import (
+    DataParallelMeshDims, MeshInfo, TensorParallelLayout, default_mesh, mesh_device, mesh_info_for, post_forward_mesh_info_for,
+    separate_group_of, tensor_parallel_layout,
+)
 from fsdp_compile.optimizer_check import install_optimizer_check, mark_replaced
 from fsdp_compile.param import FSDPParam, ParamRef
 from fsdp_compile.param_group import FSDPParamGroup
@@ -454,6 +457,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
     comm_policy: CommPolicy = CommPolicy(),
 ) -> nn.Module | list[nn.Module]:
     """Shard ``module``'s parameters on dim 0 across ``mesh``; one all-gather / reduce-scatter group.
@@ -474,14 +478,28 @@ def fully_shard(
         mp_policy: mixed-precision dtypes, see :class:`MixedPrecisionPolicy`.
         offload_policy: :class:`CPUOffloadPolicy` keeps shards and gradients on CPU.
         ignored_params: parameters left alone (not sharded, not reduced).
+        dp_mesh_dims: FSDP2's :class:`DataParallelMeshDims`: ``mesh`` is the full mesh the
+            parameters are DTensors on (replicated on the data-parallel dims) and this names its
+            shard dim (and replicate dim, for HSDP).
         comm_policy: what goes on the wire: block-quantized all-gathers, a low-precision
             gradient wire with float32 sums; see :class:`CommPolicy`.
+
+    Parameters that are already DTensors (tensor parallel, e.g. from ``parallelize_module`` on a
+    sibling ``tp`` mesh) are sharded on the data-parallel mesh too; see
+    [Note: FSDP over tensor-parallel parameters] in mesh.py.
 
     Example::
 
         for block in model.layers:
             fully_shard(block, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
         fully_shard(model)
+
+        # With tensor parallelism on a (dp, tp) mesh:
+        mesh = init_device_mesh("cuda", (dp, tp), mesh_dim_names=("dp", "tp"))
+        for block in model.layers:
+            parallelize_module(block, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
     """
     modules = tuple(module) if isinstance(module, (list, tuple)) else (module,)
     for m in modules:
@@ -498,8 +516,10 @@ def fully_shard(
                 f"fully_shard was already applied to this {type(m).__name__}; apply it once per module "
                 "(bottom-up: blocks first, then the model)"
             )
+    if dp_mesh_dims is not None and mesh is None:
+        raise ValueError("fully_shard: dp_mesh_dims names dims of a mesh; pass that mesh too (mesh=..., dp_mesh_dims=...)")
     mesh = mesh if mesh is not None else default_mesh()
-    info = mesh_info_for(mesh)
+    info = mesh_info_for(mesh, dp_mesh_dims)
     if mesh.device_type == "cuda" and not torch.cuda.is_available():
         raise ValueError(
             "fully_shard got a 'cuda' mesh but CUDA is not available; on CPU use "
@@ -512,6 +532,10 @@ def fully_shard(
     _check_params(params, refs, device, label)
     _check_comm_policy(comm_policy, params, refs, post_forward_size, label)
     shard_dims = [_shard_dim(param, refs[id(param)][0].fqn, shard_placement_fn, info, label) for param in params]
+    tp_layouts = [
+        _tensor_parallel_layout(param, refs[id(param)][0].fqn, shard_dim, info, label, post_forward_size)
+        for param, shard_dim in zip(params, shard_dims)
+    ]
     post_forward_info = post_forward_mesh_info_for(info, post_forward_size) if post_forward_size else None
     _move_buffers(modules, device)
 
@@ -520,12 +544,15 @@ def fully_shard(
         FSDPParam(
             param, refs[id(param)], info, post_forward_info, device, mp_policy,
             offload_to_cpu=offload, pin_memory=offload and offload_policy.pin_memory, shard_dim=shard_dim,
+            tensor_parallel=tp_layout,
         )
-        for param, shard_dim in zip(params, shard_dims)
+        for param, shard_dim, tp_layout in zip(params, shard_dims, tp_layouts)
     ]
     for param in params:
         setattr(param, _OWNER_ATTR, label)
         mark_replaced(param, f"fully_shard({label})")
+    for fsdp_param in fsdp_params:
+        setattr(fsdp_param.sharded_param, _OWNER_ATTR, label)
     install_optimizer_check()
     group = None
     if fsdp_params:
@@ -576,7 +603,7 @@ def _check_comm_policy(
 
 def _shard_dim(param: nn.Parameter, name: str, shard_placement_fn: Callable | None, info: MeshInfo, label: str) -> int:
     """The dim ``shard_placement_fn`` shards ``param`` on (0 without one), checked."""
-    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import DTensor, Shard
 
     placement = None if shard_placement_fn is None else shard_placement_fn(param)
     if placement is None:
@@ -590,13 +617,39 @@ def _shard_dim(param: nn.Parameter, name: str, shard_placement_fn: Callable | No
     dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
     if not 0 <= dim < param.dim():
         raise ValueError(f"fully_shard({label}): shard_placement_fn returned Shard({placement.dim}) for the {param.dim()}-D '{name}'")
-    if dim > 0 and param.shape[dim] % info.shard_size != 0:
+    is_tp = isinstance(param, DTensor)
+    shape = param._local_tensor.shape if is_tp else param.shape  # FSDP splits the tensor-parallel piece
+    if dim > 0 and shape[dim] % info.shard_size != 0:
+        piece = " in its tensor-parallel piece" if is_tp else ""
         raise ValueError(
-            f"fully_shard({label}): '{name}' has {param.shape[dim]} entries on dim {dim}, which do not split evenly "
+            f"fully_shard({label}): '{name}' has {shape[dim]} entries on dim {dim}{piece}, which do not split evenly "
             f"over the {info.shard_size} shard ranks. Sharding on a dim > 0 must be even (as in FSDP2): return "
             "Shard(0) for this parameter, or pad its shape."
         )
     return dim
+
+
+def _tensor_parallel_layout(
+    param: nn.Parameter, name: str, shard_dim: int, info: MeshInfo, label: str, post_forward_size: int
+) -> TensorParallelLayout | None:
+    """How FSDP composes with ``param`` when it is a DTensor (tensor parallel), checked; None for a plain tensor."""
+    from torch.distributed.tensor import DTensor
+
+    where = f"fully_shard({label}): parameter '{name}'"
+    if not isinstance(param, DTensor):
+        if info.spmd_mesh is not None:
+            raise ValueError(
+                f"{where} is a plain tensor, but with dp_mesh_dims every parameter must be a DTensor on the mesh passed to "
+                "fully_shard (replicated on its data-parallel dims): distribute it (distribute_tensor(p, mesh, "
+                "[Replicate()] * mesh.ndim)), or pass mesh=<the dp sub-mesh> without dp_mesh_dims."
+            )
+        return None
+    if post_forward_size:
+        raise NotImplementedError(
+            f"{where} is a tensor-parallel DTensor, and reshard_after_forward=<int> is not supported with tensor "
+            "parallelism (as in FSDP2); use reshard_after_forward=True or False."
+        )
+    return tensor_parallel_layout(param, info, shard_dim, where)
 
 
 def _label_groups(modules: tuple[nn.Module, ...]) -> None:
@@ -651,14 +704,13 @@ def _collect_params(
 
 def _check_params(params: list[nn.Parameter], refs: dict[int, list[ParamRef]], device: torch.device, label: str) -> None:
     """Everything that would make a later collective hang or compute garbage, said up front."""
-    from torch.distributed.tensor import DTensor
-
     for param in params:
         name = refs[id(param)][0].fqn
         owner = getattr(param, _OWNER_ATTR, None)
-        if owner is not None or isinstance(param.data, DTensor):
+        # A DTensor without an owner is the user's (tensor parallel): _tensor_parallel_layout checks it.
+        if owner is not None:
             raise ValueError(
-                f"fully_shard({label}): parameter '{name}' is already managed by fully_shard({owner or 'another call'}). "
+                f"fully_shard({label}): parameter '{name}' is already managed by fully_shard({owner}). "
                 "A parameter shared by several modules (tied weights) must belong to one group: apply fully_shard "
                 "to a common ancestor of all the modules that use it, or pass them together as a list."
             )

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from fsdp_compile.api import MixedPrecisionPolicy
 from fsdp_compile.layout import ShardLayout
 from fsdp_compile.optimizer_check import mark_replaced
-from fsdp_compile.mesh import MeshInfo, PostForwardMeshInfo
+from fsdp_compile.mesh import MeshInfo, PostForwardMeshInfo, TensorParallelLayout
 
 __all__ = ["ShardedState", "ParamRef", "FSDPParam"]
 
@@ -67,6 +67,7 @@ class FSDPParam:
         offload_to_cpu: bool,
         pin_memory: bool,
         shard_dim: int = 0,
+        tensor_parallel: TensorParallelLayout | None = None,
     ) -> None:
         self.refs = refs
         self.fqn = refs[0].fqn
@@ -75,14 +76,25 @@ class FSDPParam:
         self.device = device
         self.offload_to_cpu = offload_to_cpu
         self.pin_memory = pin_memory
-        self.orig_size = param.shape
-        # See [Note: shard layout] in layout.py.
-        self.layout = ShardLayout(tuple(param.shape), shard_dim, mesh_info.shard_size, mesh_info.shard_rank)
+        self.orig_size = param.shape  # the user's (global) shape
+        # A DTensor parameter (tensor parallel): FSDP shards its local piece; see
+        # [Note: FSDP over tensor-parallel parameters] in mesh.py.
+        self.tensor_parallel = tensor_parallel
+        local = param._local_tensor if tensor_parallel is not None else param
+        if tensor_parallel is not None and hasattr(local, "fsdp_pre_all_gather"):
+            raise NotImplementedError(
+                f"fsdp_compile: '{self.fqn}' is a tensor-parallel DTensor whose local tensor has an all-gather extension "
+                "(fsdp_pre_all_gather); the two together are not supported. Drop one of them for this parameter."
+            )
+        # See [Note: shard layout] in layout.py. Its shape is the local piece's (the user's shape without TP).
+        self.layout = ShardLayout(tuple(local.shape), shard_dim, mesh_info.shard_size, mesh_info.shard_rank)
         self.post_forward_layout = (
             None if post_forward_mesh_info is None
             else self.layout.for_group(post_forward_mesh_info.shard_size, post_forward_mesh_info.shard_rank)
         )
-        self.placements = mesh_info.placements(shard_dim)
+        # The sharded parameter's DTensor mesh and placements.
+        self.sharded_mesh = mesh_info.mesh if tensor_parallel is None else tensor_parallel.sharded_mesh
+        self.placements = mesh_info.placements(shard_dim) if tensor_parallel is None else tensor_parallel.sharded_placements
         # The policy's dtypes (None: follow the parameter's own dtype, also after module.to(dtype)).
         self.mp_policy = mp_policy
         self._set_dtypes(param.dtype)
@@ -125,7 +137,7 @@ class FSDPParam:
         both, so eager and compiled micro-batches can mix. The leaf has the parameter's full shape
         but, with zero strides, one element of storage.
         """
-        shape = tuple(self.orig_size)
+        shape = self.layout.shape
         sink = torch.empty_strided(shape, (0,) * len(shape), dtype=self.reduce_dtype, device=self.device)
         return sink.requires_grad_()
 
@@ -195,17 +207,39 @@ class FSDPParam:
     def shard_device(self) -> torch.device:
         return torch.device("cpu") if self.offload_to_cpu else self.device
 
-    def _make_sharded_param(self, param: nn.Parameter) -> nn.Parameter:
-        # Meta parameters stay on meta until the user materializes them (module.to_empty).
-        target = param.device if param.device.type == "meta" else self.shard_device
-        local = self.layout.shard_of(param.detach()).to(target).clone(memory_format=torch.contiguous_format)
-        if self.offload_to_cpu and self.pin_memory and local.device.type == "cpu" and torch.cuda.is_available():
-            local = local.pin_memory()
-        dtensor = DTensor.from_local(
+    @property
+    def is_tensor_parallel(self) -> bool:
+        return self.tensor_parallel is not None
+
+    def sharded_dtensor(self, local: torch.Tensor) -> DTensor:
+        """``local`` (this rank's shard, or its gradient) as the sharded parameter's kind of DTensor."""
+        if self.tensor_parallel is not None:
+            return self.tensor_parallel.sharded(local)
+        return DTensor.from_local(
             local, self.mesh_info.mesh, self.placements, run_check=False,
             shape=self.orig_size, stride=torch.empty(self.orig_size, device="meta").stride(),
         )
-        return nn.Parameter(dtensor, requires_grad=param.requires_grad)
+
+    def piece_of_full(self, full: torch.Tensor) -> torch.Tensor:
+        """What FSDP shards of a full (global) tensor: this rank's TP piece (the tensor itself without TP)."""
+        return full if self.tensor_parallel is None else self.tensor_parallel.local_of_full(full)
+
+    def shard_of_full(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's shard (unpadded rows) of a full (global) tensor: no communication."""
+        return self.layout.shard_of(self.piece_of_full(full))
+
+    def full_of_piece(self, piece: torch.Tensor) -> torch.Tensor:
+        """The full (global) tensor from every TP rank's all-gathered piece (a TP collective; identity without TP)."""
+        return piece if self.tensor_parallel is None else self.tensor_parallel.full_of_local(piece)
+
+    def _make_sharded_param(self, param: torch.Tensor) -> nn.Parameter:
+        # Meta parameters stay on meta until the user materializes them (module.to_empty).
+        target = param.device if param.device.type == "meta" else self.shard_device
+        piece = param.detach()._local_tensor if isinstance(param, DTensor) else self.piece_of_full(param.detach())
+        local = self.layout.shard_of(piece).to(target).clone(memory_format=torch.contiguous_format)
+        if self.offload_to_cpu and self.pin_memory and local.device.type == "cpu" and torch.cuda.is_available():
+            local = local.pin_memory()
+        return nn.Parameter(self.sharded_dtensor(local), requires_grad=param.requires_grad)
 
     def local_shard(self) -> torch.Tensor:
         """This rank's (unpadded) shard, read live so optimizer updates and ``.data`` swaps are seen."""
@@ -233,43 +267,50 @@ class FSDPParam:
     def unsharded_param(self) -> nn.Parameter:
         """The persistent unsharded parameter; see [Note: unsharded parameter storage]."""
         if self._unsharded_param is None:
-            data = torch.empty(self.orig_size, dtype=self.param_dtype, device=self.device)
-            self._unsharded_param = nn.Parameter(data, requires_grad=self.sharded_param.requires_grad)
-            self._unsharded_param.untyped_storage().resize_(0)
+            data = torch.empty(self.layout.shape, dtype=self.param_dtype, device=self.device)
+            data.untyped_storage().resize_(0)
+            value = data if self.tensor_parallel is None else self.tensor_parallel.unsharded(data)
+            self._unsharded_param = nn.Parameter(value, requires_grad=self.sharded_param.requires_grad)
         return self._unsharded_param
+
+    def _unsharded_storage_tensor(self) -> torch.Tensor:
+        """The plain tensor whose storage the unsharded parameter lives in: itself, or with tensor
+        parallelism the local tensor of its DTensor (which shares the storage)."""
+        param = self.unsharded_param
+        return param._local_tensor if self.tensor_parallel is not None else param
 
     def unsharded_data_for_copy_out(self) -> torch.Tensor:
         """Where the all-gather copy-out writes, contiguous in the dim-0 view: the unsharded
         parameter's data with its storage allocated, or for a parameter sharded on a dim > 0 a
         temporary that :meth:`finish_copy_out` moves into it."""
-        param = self.unsharded_param
-        storage = param.untyped_storage()
-        nbytes = param.numel() * param.element_size()
+        param, data = self.unsharded_param, self._unsharded_storage_tensor()
+        storage = data.untyped_storage()
+        nbytes = data.numel() * data.element_size()
         if storage.size() != nbytes:
             storage.resize_(nbytes)
         if param.requires_grad != self.sharded_param.requires_grad:  # requires_grad_ is refused under torch.func
             param.requires_grad_(self.sharded_param.requires_grad)
         if self.layout.dim == 0:
-            return param.data
-        return torch.empty(self.layout.dim0_shape(), dtype=param.dtype, device=param.device)
+            return data.data
+        return torch.empty(self.layout.dim0_shape(), dtype=data.dtype, device=data.device)
 
     def finish_copy_out(self, written: torch.Tensor) -> None:
         """Place what the copy-out wrote (see :meth:`unsharded_data_for_copy_out`) in the parameter."""
         if self.layout.dim != 0:
-            self.unsharded_param.data.copy_(self.layout.from_dim0(written))
+            self._unsharded_storage_tensor().data.copy_(self.layout.from_dim0(written))
 
     def free_unsharded(self) -> None:
         if self._extension_outputs:
             for tensor in (*self._extension_outputs, *self._extension_inner_tensors):
                 tensor.untyped_storage().resize_(0)
         elif self._unsharded_param is not None:
-            self._unsharded_param.untyped_storage().resize_(0)
+            self._unsharded_storage_tensor().untyped_storage().resize_(0)
 
     def unsharded_storage_bytes(self) -> int:
         if self._extension_outputs:
             storages = {t.untyped_storage().data_ptr(): t.untyped_storage().size() for t in (*self._extension_outputs, *self._extension_inner_tensors)}
             return sum(storages.values())
-        return 0 if self._unsharded_param is None else self._unsharded_param.untyped_storage().size()
+        return 0 if self._unsharded_param is None else self._unsharded_storage_tensor().untyped_storage().size()
 
     # --- all-gather extensions ------------------------------------------------------------------
     # [Note: all-gather extensions]
@@ -370,7 +411,7 @@ class FSDPParam:
         """Keep only this rank's rows of the smaller post-forward split; expose the sharded parameter."""
         layout = self.post_forward_layout
         assert layout is not None and self.sharded_state == ShardedState.UNSHARDED
-        rows = layout.shard_of(self.unsharded_param.data)
+        rows = layout.shard_of(self._unsharded_storage_tensor().data)
         self.post_forward_shard = layout.to_dim0(rows).clone(memory_format=torch.contiguous_format)
         self.register_everywhere(self.sharded_param)
         self.free_unsharded()
@@ -394,12 +435,15 @@ class FSDPParam:
                 f"fsdp_compile: '{self.fqn}' was assigned a {value.dtype} tensor but its group holds {self.orig_dtype} "
                 "parameters; assign a tensor of the same dtype (use module.to(dtype) to change every parameter's dtype)."
             )
-        if isinstance(value, DTensor):
-            if value.device_mesh != self.mesh_info.mesh or tuple(value.placements) != self.placements or value.shape != self.orig_size:
+        tp = self.tensor_parallel
+        if isinstance(value, DTensor) and tp is not None and value.device_mesh == tp.param_mesh and tuple(value.placements) == tp.param_placements:
+            new = self._make_sharded_param(value)  # the user's TP DTensor of the whole parameter
+        elif isinstance(value, DTensor):
+            if value.device_mesh != self.sharded_mesh or tuple(value.placements) != self.placements or value.shape != self.orig_size:
                 raise ValueError(
                     f"fsdp_compile: '{self.fqn}' was assigned a DTensor of shape {tuple(value.shape)} with placements "
                     f"{tuple(value.placements)}; it needs shape {tuple(self.orig_size)} with {self.placements} "
-                    "on the group's mesh. Assign the full tensor instead and it is sharded for you."
+                    f"on {self.sharded_mesh}. Assign the full tensor instead and it is sharded for you."
                 )
             new = value if isinstance(value, nn.Parameter) else nn.Parameter(value, requires_grad=value.requires_grad)
         elif tuple(value.shape) == tuple(self.orig_size):
@@ -441,7 +485,7 @@ class FSDPParam:
     def take_unsharded_grad(self) -> torch.Tensor | None:
         """Remove and return this step's unsharded gradient (plus any no-sync accumulation)."""
         param = self._unsharded_param
-        grad = None if param is None else param.grad
+        grad = None if param is None else self._local_grad(param.grad)
         if param is not None:
             param.grad = None
         accumulated = self.pop_accumulated_grad()
@@ -456,12 +500,18 @@ class FSDPParam:
         param = self._unsharded_param
         if param is None or param.grad is None:
             return
-        grad = param.grad
+        grad = self._local_grad(param.grad)
         param.grad = None
         if self.unsharded_accumulated_grad is None:
             self.unsharded_accumulated_grad = grad.to(self.reduce_dtype)
         else:
             self.unsharded_accumulated_grad += grad
+
+    def _local_grad(self, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """The unsharded gradient as the plain tensor the reduction takes (its TP-local piece)."""
+        if grad is None or self.tensor_parallel is None:
+            return grad
+        return self.tensor_parallel.local_grad(grad)
 
     def sharded_grad_out(self) -> tuple[torch.Tensor, bool]:
         """The local tensor the reduced gradient goes into, and whether a gradient already exists."""
@@ -487,7 +537,4 @@ class FSDPParam:
             return
         if local_grad.device != self.shard_device:
             local_grad = local_grad.to(self.shard_device, non_blocking=True)
-        self.sharded_param.grad = DTensor.from_local(
-            local_grad, self.mesh_info.mesh, self.placements, run_check=False,
-            shape=self.orig_size, stride=self.sharded_param.stride(),
-        )
+        self.sharded_param.grad = self.sharded_dtensor(local_grad)

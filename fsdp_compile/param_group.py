@@ -284,7 +284,7 @@ class FSDPParamGroup:
         for fsdp_param in self.fsdp_params:
             grad = fsdp_param.take_unsharded_grad()
             if grad is None and self.reduce_scatter_unused_params and fsdp_param.sharded_param.requires_grad:
-                grad = torch.zeros(fsdp_param.orig_size, dtype=fsdp_param.reduce_dtype, device=self.device)
+                grad = torch.zeros(fsdp_param.layout.shape, dtype=fsdp_param.reduce_dtype, device=self.device)
             if grad is not None:
                 params.append(fsdp_param)
                 grads.append(fsdp_param.layout.to_dim0(grad).contiguous())

@@ -178,10 +178,12 @@ def _post_state_dict_hook(state: FSDPState, index: int, module: nn.Module, desti
         value = destination[key]
         if fsdp_param is not None:
             if kind == StateDictType.FULL_STATE_DICT:
-                # Every rank takes part in the all-gather, also those that drop the result.
-                value = gather_full(
+                # Every rank takes part in the all-gather (and, with tensor parallelism, in the TP
+                # gather of the pieces), also those that drop the result.
+                piece = gather_full(
                     fsdp_param.local_shard(), fsdp_param.layout, fsdp_param.mesh_info, fsdp_param.device, fsdp_param.fqn, "state_dict"
-                ).detach()
+                )
+                value = fsdp_param.full_of_piece(piece).detach()
             elif kind == StateDictType.LOCAL_STATE_DICT:
                 value = _padded_local_shard(fsdp_param)
                 local_metadata[_LOCAL_WORLD_KEY] = fsdp_param.mesh_info.shard_size
@@ -223,10 +225,7 @@ def _padded_local_shard(fsdp_param: FSDPParam) -> torch.Tensor:
 def _sharded_from_rows(rows_tensor: torch.Tensor, fsdp_param: FSDPParam) -> DTensor:
     target = fsdp_param.local_shard()
     local = rows_tensor.detach().to(device=target.device).clone(memory_format=torch.contiguous_format)
-    return DTensor.from_local(
-        local, fsdp_param.mesh_info.mesh, fsdp_param.placements, run_check=False,
-        shape=fsdp_param.orig_size, stride=fsdp_param.sharded_param.stride(),
-    )
+    return fsdp_param.sharded_dtensor(local)
 
 
 def _as_sharded(value: Any, fsdp_param: FSDPParam, key: str, kind: StateDictType, local_metadata: dict) -> Any:
@@ -246,8 +245,11 @@ def _as_sharded(value: Any, fsdp_param: FSDPParam, key: str, kind: StateDictType
             )
         return _sharded_from_rows(value.narrow(layout.dim, 0, layout.rows()), fsdp_param)
     if isinstance(value, DTensor):
-        if value.device_mesh == info.mesh and tuple(value.placements) == fsdp_param.placements:
+        if value.device_mesh == fsdp_param.sharded_mesh and tuple(value.placements) == fsdp_param.placements:
             return value
+        tp = fsdp_param.tensor_parallel
+        if tp is not None and value.device_mesh == tp.param_mesh and tuple(value.placements) == tp.param_placements:
+            return _sharded_from_rows(layout.shard_of(value.to_local()), fsdp_param)  # the user's TP layout: no gather
         value = value.full_tensor()
     if not isinstance(value, torch.Tensor):
         return value  # nn.Module reports the type error with the key
@@ -256,7 +258,7 @@ def _as_sharded(value: Any, fsdp_param: FSDPParam, key: str, kind: StateDictType
             f"fsdp_compile: size mismatch for '{key}': the state dict has shape {tuple(value.shape)}, the model's "
             f"parameter is {tuple(fsdp_param.orig_size)}. Load a state dict saved from the same model definition."
         )
-    return _sharded_from_rows(layout.shard_of(value), fsdp_param)
+    return _sharded_from_rows(fsdp_param.shard_of_full(value), fsdp_param)
 
 
 def _to_cpu(value: Any) -> Any:

@@ -155,6 +155,16 @@ class _AccumulateWithoutSync(torch.autograd.Function):
         return None, grad.to(ctx.sink_dtype)
 
 
+@torch._dynamo.disable
+def _refuse_tensor_parallel(fqn: str) -> None:
+    # Run eagerly at a graph break, so the error reaches the user: an exception raised in traced
+    # code would only make Dynamo fall back to running the frame eagerly.
+    raise NotImplementedError(
+        f"fsdp_inductor: '{fqn}' is a tensor-parallel DTensor parameter; the compiled FSDP path does not support "
+        "tensor parallelism yet. Train this model with the eager runtime (call it without torch.compile)."
+    )
+
+
 def unshard_for_trace(
     sharded: torch.Tensor, layout: ShardLayout, param_dtype: torch.dtype, spec: ReduceSpec, annotation: dict[str, object],
     sink: torch.Tensor, requires_gradient_sync: bool, accumulated: torch.Tensor | None,
@@ -171,6 +181,8 @@ def unshard_for_trace(
     ([Note: deferred all-reduce] in param.py). ``quantize``: ``(wire dtype, block size)`` of
     CommPolicy's quantized all-gather, or None.
     """
+    if len(sharded.placements) != (1 if spec.replicate_group_name is None else 2):  # FSDP's own dims and more
+        _refuse_tensor_parallel(str(annotation[PARAM_KEY]))
     with fx_traceback.annotate(annotation):
         local = layout.to_dim0(sharded.to_local())
         # Always pad (possibly by 0 rows): every rank must trace the same ops (fingerprint check).

@@ -17,7 +17,9 @@ __all__ = ["unshard_params"]
 
 
 def _gather(local: torch.Tensor, fsdp_param: FSDPParam, reason: str) -> torch.Tensor:
-    return gather_full(local, fsdp_param.layout, fsdp_param.mesh_info, fsdp_param.device, fsdp_param.fqn, reason)
+    """The full (global) tensor: the shards gathered over dp, then the pieces over tensor parallel."""
+    piece = gather_full(local, fsdp_param.layout, fsdp_param.mesh_info, fsdp_param.device, fsdp_param.fqn, reason)
+    return fsdp_param.full_of_piece(piece)
 
 
 @contextlib.contextmanager
@@ -148,12 +150,11 @@ def _write_back(fsdp_param: FSDPParam, with_grads: bool) -> None:
             f"{None if full is None else tuple(full.shape)}; the shard needs shape {tuple(fsdp_param.orig_size)}. "
             "Edit parameters in place (e.g. param.copy_(...)) inside the context."
         )
-    layout = fsdp_param.layout
     with torch.no_grad():
         local = fsdp_param.local_shard()
-        local.copy_(layout.shard_of(full.detach()))
+        local.copy_(fsdp_param.shard_of_full(full.detach()))
         if with_grads and full.grad is not None:
-            grad_rows = layout.shard_of(full.grad.detach())
+            grad_rows = fsdp_param.shard_of_full(full.grad.detach())
             sharded_grad = fsdp_param.sharded_param.grad
             if sharded_grad is None:
                 fsdp_param.set_sharded_grad(grad_rows.to(local.dtype).clone())
