@@ -9,6 +9,7 @@ import os
 import sys
 from dataclasses import dataclass
 
+from benchmarks.modes import COMM_POLICY_MODES
 from fsdp_compile.models import TransformerConfig
 
 __all__ = ["MODES", "PASS_ABLATION_MODES", "BenchConfig", "parse_args"]
@@ -36,6 +37,7 @@ class BenchConfig:
     batch: int = 4
     untied: bool = False
     bf16: bool = False
+    tp: int = 1  # tensor-parallel ways: a (world / tp, tp) = (dp, tp) mesh, torchtitan's TP plan per block
     steps: int = 15
     warmup: int = 2
     seed: int = 0
@@ -98,15 +100,17 @@ examples:
   python -m benchmarks                                   # defaults, 2 gloo ranks on CPU
   python -m benchmarks --modes ours-eager,torch-eager --steps 30
   python -m benchmarks --pass-ablation                   # + ours-compiled with passes off
+  python -m benchmarks --comm-policy                     # + ours with int8 all-gathers / a bf16 gradient wire
   torchrun --nproc-per-node 8 -m benchmarks --dim 2048 --layers 16 --bf16
 """
 
 
 def _modes(text: str) -> tuple[str, ...]:
     names = tuple(name.strip() for name in text.split(",") if name.strip())
-    unknown = [name for name in names if name not in MODES + PASS_ABLATION_MODES]
+    known = MODES + PASS_ABLATION_MODES + COMM_POLICY_MODES
+    unknown = [name for name in names if name not in known]
     if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown mode(s) {unknown}; choose from {', '.join(MODES + PASS_ABLATION_MODES)}")
+        raise argparse.ArgumentTypeError(f"unknown mode(s) {unknown}; choose from {', '.join(known)}")
     return names
 
 
@@ -132,6 +136,9 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     add("--seq", type=int, default=d.seq, help=f"sequence length (default {d.seq})")
     add("--batch", type=int, default=d.batch, help=f"sequences per rank per step (default {d.batch})")
     add("--untied", action="store_true", help="separate output head (default: head tied to the embedding)")
+    add("--tp", type=int, default=d.tp,
+        help="tensor-parallel ways (default 1: none): blocks get torchtitan's TP plan on the 'tp' dim of a "
+        "(world / tp, tp) mesh and fully_shard shards over 'dp' (FSDP + TP)")
     add("--bf16", action="store_true", help="bf16 parameters for compute, fp32 gradient reduction (MixedPrecisionPolicy)")
     add("--steps", type=int, default=d.steps, help=f"measured steps per mode (default {d.steps})")
     add("--warmup", type=int, default=d.warmup, help=f"warm-up steps per mode, excluded from the figures; they hold compilation (default {d.warmup})")
@@ -139,6 +146,9 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     add("--lr", type=float, default=d.lr, help=f"AdamW learning rate (default {d.lr})")
     add("--pass-ablation", action="store_true",
         help=f"also run {' and '.join(PASS_ABLATION_MODES)}: ours-compiled without reordering, and without any graph pass")
+    add("--comm-policy", action="store_true",
+        help=f"also run {', '.join(COMM_POLICY_MODES)}: ours with an int8 block-quantized all-gather or a bf16 "
+        "gradient wire with float32 sums (fsdp_compile.CommPolicy)")
     add("--no-warm-compile", dest="warm_compile", action="store_false",
         help="skip rebuilding each compiled mode after torch._dynamo.reset() to time a warm compile")
     add("--reuse-inductor-cache", dest="fresh_inductor_cache", action="store_false",
@@ -150,11 +160,15 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 1:
         parser.error("--steps and --warmup must be at least 1 (warm-up holds compilation and lazy init)")
+    if args.tp < 1 or args.world_size % args.tp or args.heads % args.tp:
+        parser.error(f"--tp {args.tp} must divide --world-size {args.world_size} and --heads {args.heads}")
     if args.dim % args.heads or (args.dim // args.heads) % 2:
         parser.error(f"--dim {args.dim} must split into --heads {args.heads} heads of even size (rotary embedding)")
     launcher = "torchrun ... -m benchmarks" if "TORCHELASTIC_RUN_ID" in os.environ else "python -m benchmarks"
     command = launcher + "".join(f" {a}" for a in (sys.argv[1:] if argv is None else argv))
     if args.pass_ablation:
         args.modes = tuple(args.modes) + tuple(m for m in PASS_ABLATION_MODES if m not in args.modes)
-    del args.pass_ablation
+    if args.comm_policy:
+        args.modes = tuple(args.modes) + tuple(m for m in COMM_POLICY_MODES if m not in args.modes)
+    del args.pass_ablation, args.comm_policy
     return BenchConfig(command=command, **{k: v for k, v in vars(args).items()})

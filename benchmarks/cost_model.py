@@ -85,6 +85,12 @@ CONFIGURATIONS: dict[str, PassConfig] = {
     "bucket": PassConfig(bucket=True, reorder=False),
     "bucket + reorder": PassConfig(bucket=True, reorder=True),
 }
+# --comm-policy: the full passes with each CommPolicy beside today's wire.
+COMM_POLICIES: dict[str, "fsdp_compile.CommPolicy"] = {
+    "int8 all-gather": fsdp_compile.CommPolicy(all_gather_dtype=torch.int8),
+    "bf16 wire, fp32 sum": fsdp_compile.CommPolicy(reduce_wire_dtype=torch.bfloat16),
+    "int8 AG + bf16 wire": fsdp_compile.CommPolicy(all_gather_dtype=torch.int8, reduce_wire_dtype=torch.bfloat16),
+}
 
 
 # --- Events --------------------------------------------------------------------------------------
@@ -240,7 +246,8 @@ def ring_time(collective: str, unsharded_bytes: float, world_size: int, link_byt
     one_pass = steps * latency_s + steps / world_size * unsharded_bytes / link_bytes_per_s
     if collective == "all_reduce":
         return 2 * one_pass  # reduce-scatter then all-gather
-    if collective in ("all_gather", "reduce_scatter"):
+    if collective in ("all_gather", "reduce_scatter", "all_to_all"):
+        # all_to_all (CommPolicy's gradient wire): each rank sends (N-1)/N of its buffer, N-1 exchanges.
         return one_pass
     raise ValueError(f"cost_model: unknown collective {collective!r}")
 
@@ -334,6 +341,7 @@ def trace_graphs(
     seq: int = 8192,
     param_dtype: torch.dtype = torch.bfloat16,
     reduce_dtype: torch.dtype | None = None,
+    comm_policy: "fsdp_compile.CommPolicy | None" = None,
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
     """(forward, backward) graphs ``fsdp_aot_eager`` compiles for one step of ``model_config``.
 
@@ -360,9 +368,10 @@ def trace_graphs(
     try:
         with FakeTensorMode(allow_non_fake_inputs=True):
             model = Transformer(model_config)
+            comm = comm_policy if comm_policy is not None else fsdp_compile.CommPolicy()
             for block in model.layers:
-                fsdp_compile.fully_shard(block, mesh=mesh, mp_policy=policy)
-            fsdp_compile.fully_shard(model, mesh=mesh, mp_policy=policy)
+                fsdp_compile.fully_shard(block, mesh=mesh, mp_policy=policy, comm_policy=comm)
+            fsdp_compile.fully_shard(model, mesh=mesh, mp_policy=policy, comm_policy=comm)
             tokens = torch.randint(0, model_config.vocab_size, (batch, seq))
             with observe_graphs() as graphs:
                 torch.compile(model, backend="fsdp_aot_eager", fullgraph=True)(tokens).float().sum().backward()
@@ -491,22 +500,26 @@ def _section(run: _Run, table: str) -> str:
 
 
 def _count_collectives(schedules: Sequence[Sequence[Event]]) -> str:
-    counts = {kind: 0 for kind in ("all_gather", "reduce_scatter", "all_reduce")}
+    counts = {kind: 0 for kind in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")}
     for events in schedules:
         for event in events:
             if isinstance(event, Issue):
                 counts[event.collective] += 1
-    return f"{sum(counts.values())} ({'/'.join(str(v) for v in counts.values())} AG/RS/AR)"
+    return f"{sum(counts.values())} ({'/'.join(str(v) for v in counts.values())} AG/RS/AR/A2A)"
 
 
-def _model(run: _Run, configurations: dict[str, PassConfig]) -> None:
-    """Trace each configuration once and replay it for every world size into ``run.rows``."""
+def _model(run: _Run, configurations: dict[str, PassConfig], policies: dict[str, "fsdp_compile.CommPolicy"] | None = None) -> None:
+    """Trace each configuration (and each CommPolicy with all passes) once and replay it for every
+    world size into ``run.rows``."""
     by_world: dict[int, list[_Row]] = {world: [] for world in run.worlds}
     reduce_dtype = {"bf16": None, "fp32": torch.float32}[run.reduce_dtype]
+    traces = {name: (passes, None) for name, passes in configurations.items()}
+    for name, policy in (policies or {}).items():
+        traces[f"bucket + reorder, {name}"] = (PassConfig(bucket=True, reorder=True), policy)
     with fake_process_group(run.trace_world):
-        for name, passes in configurations.items():
+        for name, (passes, policy) in traces.items():
             started = time.perf_counter()
-            graphs = trace_graphs(run.model_config, passes, run.batch, run.seq, reduce_dtype=reduce_dtype)
+            graphs = trace_graphs(run.model_config, passes, run.batch, run.seq, reduce_dtype=reduce_dtype, comm_policy=policy)
             schedules = [schedule_from_graph(gm) for gm in graphs]
             del graphs  # tens of thousands of fake-tensor nodes; the next trace needs the memory
             run.trace_s[name] = time.perf_counter() - started
@@ -556,6 +569,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--batch", type=int, default=1, help="sequences per rank (default 1)")
     add("--reduce-dtype", choices=["bf16", "fp32"], default="bf16",
         help="gradient reduce-scatter dtype (default bf16: MixedPrecisionPolicy's default, the parameter dtype)")
+    add("--comm-policy", action="store_true",
+        help=f"also model each CommPolicy with all passes: {'; '.join(COMM_POLICIES)}")
     add("--trace-world", type=int, default=TRACE_WORLD,
         help=f"fake world size the graphs are traced at (default {TRACE_WORLD}); collective bytes do not depend on it")
     add("--results-md", default=None, metavar="PATH",
@@ -578,7 +593,7 @@ def main(argv: list[str] | None = None) -> None:
         hardware=Hardware(args.link_gbps * GB, args.latency_us * 1e-6, args.tflops * 1e12, args.mem_tbps * 1e12),
         worlds=args.worlds, batch=args.batch, seq=args.seq, reduce_dtype=args.reduce_dtype, trace_world=args.trace_world,
     )
-    _model(run, CONFIGURATIONS)
+    _model(run, CONFIGURATIONS, COMM_POLICIES if args.comm_policy else None)
     table = _table(run.rows)
     print(table)
     print("\n" + _target_line(run))

@@ -8,18 +8,19 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import math
 import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
 from benchmarks.modes import Mode
 from fsdp_compile.models import next_token_loss
 
-__all__ = ["train_step", "timed_step", "probe_step", "Probe", "count_collectives"]
+__all__ = ["train_step", "timed_step", "probe_step", "Probe", "count_collectives", "CollectiveCounts"]
 
 
 def _synchronize(device: torch.device) -> None:
@@ -157,20 +158,50 @@ def _collective_kind(op_name: str) -> str:
         return "reduce_scatter"
     if "allreduce" in name or "all_reduce" in name:
         return "all_reduce"
+    if "alltoall" in name or "all_to_all" in name:
+        return "all_to_all"
     return name.rstrip("_")
 
 
+class CollectiveCounts(collections.Counter):
+    """Collectives by kind, and ``nbytes``: the bytes this rank handed to them (each collective's input)."""
+
+    nbytes: int = 0
+
+
+# The profiler's names of element types -> bytes per element.
+_ITEMSIZE = {
+    "float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "signed char": 1, "unsigned char": 1,
+    "c10::Float8_e4m3fn": 1, "c10::Float8_e5m2": 1, "int": 4, "long int": 8, "long": 8,
+}
+# Where each collective's input tensor sits among the profiled op's inputs. The c10d ops of the eager
+# runtimes carry shapes; traced graphs' coalesced c10d ops carry tensor lists without them, so those are
+# read from the functional op that issued them (``_c10d_functional::*``).
+_INPUT_INDEX = {
+    "c10d::_allgather_base_": 1, "c10d::_reduce_scatter_base_": 1, "c10d::alltoall_base_": 1,
+    "_c10d_functional::all_gather_into_tensor": 0, "_c10d_functional::reduce_scatter_tensor": 0,
+    "_c10d_functional::all_to_all_single": 0, "_c10d_functional::all_reduce": 0,
+}
+
+
+def _input_bytes(event: Any) -> int:
+    index = _INPUT_INDEX.get(event.name)
+    if index is None or len(event.input_shapes) <= index or not event.input_shapes[index]:
+        return 0
+    return math.prod(event.input_shapes[index]) * _ITEMSIZE.get(event.input_dtypes[index], 0)
+
+
 @contextlib.contextmanager
-def count_collectives() -> Iterator[collections.Counter]:
-    """Count the c10d ops dispatched while open, by kind.
+def count_collectives() -> Iterator[CollectiveCounts]:
+    """Count the c10d ops dispatched while open, by kind, and the bytes handed to them (``.nbytes``).
 
     [Note: counting collectives] Every collective reaches the process group as one ``c10d::`` op,
     whoever issues it: FSDP2's and our eager hooks (``_allgather_base_``, ``_reduce_scatter_base_``)
     and functional collectives traced into a compiled graph (``allgather_into_tensor_coalesced_``).
     The profiler sees them all, so the count is the same kind of fact in every mode.
     """
-    counts: collections.Counter = collections.Counter()
-    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    counts = CollectiveCounts()
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True)
     with _quiet_stderr_fd():
         profiler.__enter__()
     try:
@@ -181,6 +212,7 @@ def count_collectives() -> Iterator[collections.Counter]:
     for event in profiler.events():
         if event.name.startswith("c10d::"):
             counts[_collective_kind(event.name)] += 1
+        counts.nbytes += _input_bytes(event)
 
 
 # ---- the probe step -----------------------------------------------------------------------
@@ -193,6 +225,7 @@ class Probe:
     saved_tensors: int | None
     collectives: dict[str, int]
     recorded_collectives: int | None  # fsdp_compile.record_collectives() for ours modes, as a cross-check
+    wire_bytes: int  # bytes this rank handed to collectives in the step (their inputs; see count_collectives)
 
 
 def probe_step(mode: Mode, tokens: torch.Tensor, device: torch.device) -> Probe:
@@ -215,4 +248,5 @@ def probe_step(mode: Mode, tokens: torch.Tensor, device: torch.device) -> Probe:
         saved_tensors=saved["tensors"],
         collectives=dict(counts),
         recorded_collectives=None if log is None else len(log),
+        wire_bytes=counts.nbytes,
     )

@@ -17,7 +17,7 @@ from fsdp_compile.backend import fsdp_inductor_with
 from fsdp_compile.config import PassConfig
 from fsdp_compile.models import Transformer, TransformerConfig
 
-__all__ = ["Mode", "build_mode", "COMPILED"]
+__all__ = ["Mode", "build_mode", "COMPILED", "COMM_POLICY_MODES"]
 
 # ours-compiled's graph passes per mode; the ablations turn some off (benchmarks/config.py).
 _PASSES = {
@@ -25,7 +25,13 @@ _PASSES = {
     "ours-compiled-bucket": PassConfig(reorder=False),
     "ours-compiled-nopasses": PassConfig(bucket=False, reorder=False),
 }
-COMPILED = frozenset({"ours-fallback", "torch-blockcompile", *_PASSES})
+# Ours with a CommPolicy (fsdp_compile.CommPolicy): what goes on the wire, eager and compiled.
+_COMM_POLICIES = {
+    "int8ag": fsdp_compile.CommPolicy(all_gather_dtype=torch.int8),
+    "bf16rs": fsdp_compile.CommPolicy(reduce_wire_dtype=torch.bfloat16),
+}
+COMM_POLICY_MODES = tuple(f"ours-{kind}-{policy}" for policy in _COMM_POLICIES for kind in ("eager", "compiled"))
+COMPILED = frozenset({"ours-fallback", "torch-blockcompile", *_PASSES, *(m for m in COMM_POLICY_MODES if "-compiled-" in m)})
 
 
 @dataclass
@@ -55,10 +61,34 @@ def _torch_policy(bf16: bool):
     return MixedPrecisionPolicy()
 
 
-def _shard(model: Transformer, fully_shard, policy) -> Transformer:
+# torchtitan's Llama plan: colwise q/k/v and gate/up, rowwise o and down.
+_TP_PLAN = {
+    "attention.wq": "colwise", "attention.wk": "colwise", "attention.wv": "colwise", "attention.wo": "rowwise",
+    "feed_forward.w1": "colwise", "feed_forward.w3": "colwise", "feed_forward.w2": "rowwise",
+}
+_tp_meshes: dict[tuple[str, int], object] = {}
+
+
+def _tensor_parallel(model: Transformer, device: torch.device, tp: int):
+    """Apply the TP plan to every block on the 'tp' dim of a (dp, tp) mesh; the 'dp' mesh fully_shard takes."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    key = (device.type, tp)
+    if key not in _tp_meshes:  # creating a mesh is collective: once per run, every mode shares it
+        _tp_meshes[key] = init_device_mesh(device.type, (dist.get_world_size() // tp, tp), mesh_dim_names=("dp", "tp"))
+    mesh = _tp_meshes[key]
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     for block in model.layers:
-        fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        parallelize_module(block, mesh["tp"], {name: styles[style]() for name, style in _TP_PLAN.items()})
+    return mesh["dp"]
+
+
+def _shard(model: Transformer, fully_shard, policy, **kwargs) -> Transformer:
+    for block in model.layers:
+        fully_shard(block, mp_policy=policy, **kwargs)
+    fully_shard(model, mp_policy=policy, **kwargs)
     return model
 
 
@@ -72,7 +102,7 @@ def _skip_fsdp_hooks():
         fsdp_compile.config.skip_fsdp_hooks = previous
 
 
-def build_mode(name: str, config: TransformerConfig, device: torch.device, seed: int, lr: float, bf16: bool) -> Mode:
+def build_mode(name: str, config: TransformerConfig, device: torch.device, seed: int, lr: float, bf16: bool, tp: int = 1) -> Mode:
     """One mode's model (same initial weights for every mode) and its AdamW.
 
     Example::
@@ -83,12 +113,14 @@ def build_mode(name: str, config: TransformerConfig, device: torch.device, seed:
     model = Transformer(config).to(device)  # initialized on CPU: the same weights on every device kind
     step_context: Callable[[], ContextManager] = contextlib.nullcontext
     runnable: nn.Module = model
+    mesh = {"mesh": _tensor_parallel(model, device, tp)} if tp > 1 else {}
     if name.startswith("ours-"):
-        _shard(model, fsdp_compile.fully_shard, _ours_policy(bf16))
-        if name in _PASSES:
+        comm_policy = _COMM_POLICIES.get(name.rsplit("-", 1)[-1], fsdp_compile.CommPolicy())
+        _shard(model, fsdp_compile.fully_shard, _ours_policy(bf16), comm_policy=comm_policy, **mesh)
+        if name in _PASSES or name in COMPILED and name in COMM_POLICY_MODES:
             # One backend object per mode: Dynamo would otherwise hand a later mode the graph (and
             # passes) compiled for an earlier one, the model class being the same.
-            runnable = torch.compile(model, backend=fsdp_inductor_with(_PASSES[name]))
+            runnable = torch.compile(model, backend=fsdp_inductor_with(_PASSES.get(name, PassConfig())))
         elif name == "ours-fallback":
             # The FSDP hooks run eagerly between compiled regions; the flag is on only during this mode's steps.
             step_context = _skip_fsdp_hooks
@@ -101,7 +133,7 @@ def build_mode(name: str, config: TransformerConfig, device: torch.device, seed:
             # hooks sit on the compiled module and run eagerly around each block's graph.
             for index, block in model.layers.named_children():
                 model.layers.register_module(index, torch.compile(block, fullgraph=True))
-        _shard(model, torch_fully_shard, _torch_policy(bf16))
+        _shard(model, torch_fully_shard, _torch_policy(bf16), **mesh)
     else:
         raise ValueError(f"unknown mode {name!r}")
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)

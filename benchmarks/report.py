@@ -75,6 +75,7 @@ def summarize(cfg: BenchConfig, results: dict, world: int) -> dict[str, dict]:
                 collectives=probes[0]["collectives"],
                 collectives_total=sum(probes[0]["collectives"].values()),
                 collectives_same_on_all_ranks=all(p["collectives"] == probes[0]["collectives"] for p in probes),
+                wire_kib=max(p.get("wire_bytes", 0) for p in probes) / 1024,
             )
     _add_ratios(summary)
     return summary
@@ -109,7 +110,7 @@ def _collectives_cell(figures: dict) -> str:
 
 _HEADER = (
     "| mode | step ms median (p10–p90) | tokens/s | vs torch-eager | peak MiB | step +MiB | saved MiB "
-    "| coll/step (AG/RS/AR) | compile cold s | compile warm s | loss rel diff |"
+    "| coll/step (AG/RS/AR) | wire KiB/step | compile cold s | compile warm s | loss rel diff |"
 )
 
 
@@ -129,6 +130,7 @@ def markdown_table(summary: dict[str, dict]) -> str:
             _fmt(f.get("step_mib"), ".0f", "n/a"),
             _fmt(f.get("saved_mib"), ".1f", "n/a"),
             _collectives_cell(f),
+            _fmt(f.get("wire_kib"), ".0f", "n/a"),
             _fmt(f.get("compile_cold_s"), ".1f"),
             _fmt(f.get("compile_warm_s"), ".1f"),
             _fmt(f.get("loss_max_rel_diff"), ".1e"),

@@ -74,7 +74,7 @@ class _Agreement:
 def _build(name: str, cfg: BenchConfig, device: torch.device, agree: _Agreement, errors: dict) -> tuple[Mode | None, str | None]:
     mode, local_reason = None, None
     try:
-        mode = build_mode(name, cfg.model_config(), device, cfg.seed, cfg.lr, cfg.bf16)
+        mode = build_mode(name, cfg.model_config(), device, cfg.seed, cfg.lr, cfg.bf16, cfg.tp)
     except Exception as error:  # noqa: BLE001 - reported as "unavailable" in the table
         local_reason, errors[name] = _short(error), traceback.format_exc()
     reason = agree.reason(local_reason)
@@ -120,7 +120,9 @@ def worker(cfg: BenchConfig) -> None:
 
 def _run(cfg: BenchConfig, rank: int, world: int, device: torch.device) -> dict:
     agree = _Agreement(device)
-    batches = [b.chunk(world)[rank].to(device) for b in _global_batches(cfg, world, cfg.total_steps + 1)]
+    # With tensor parallelism the ranks of one dp group (consecutive ranks: a (dp, tp) mesh) share a batch.
+    data_world, data_rank = world // cfg.tp, rank // cfg.tp
+    batches = [b.chunk(data_world)[data_rank].to(device) for b in _global_batches(cfg, data_world, cfg.total_steps + 1)]
     errors: dict[str, str] = {}
     status: dict[str, str | None] = {}
     modes: dict[str, Mode] = {}

@@ -530,7 +530,7 @@ def fully_shard(
     post_forward_size = _check_reshard_after_forward(reshard_after_forward, info, label)
     params, refs = _collect_params(modules, {id(p) for p in ignored_params or ()})
     _check_params(params, refs, device, label)
-    _check_comm_policy(comm_policy, params, refs, post_forward_size, label)
+    _check_comm_policy(comm_policy, post_forward_size, label)
     shard_dims = [_shard_dim(param, refs[id(param)][0].fqn, shard_placement_fn, info, label) for param in params]
     tp_layouts = [
         _tensor_parallel_layout(param, refs[id(param)][0].fqn, shard_dim, info, label, post_forward_size)
@@ -579,22 +579,11 @@ def fully_shard(
     return module
 
 
-def _check_comm_policy(
-    policy: CommPolicy, params: list[nn.Parameter], refs: dict[int, list[ParamRef]], post_forward_size: int, label: str
-) -> None:
+def _check_comm_policy(policy: CommPolicy, post_forward_size: int, label: str) -> None:
     if not isinstance(policy, CommPolicy):
         raise TypeError(f"fully_shard({label}): comm_policy takes a fsdp_compile.CommPolicy, got {type(policy).__name__}")
-    policy.check(label)
-    if not policy.quantizes_all_gather:
-        return
-    for param in params:
-        if not param.is_floating_point():
-            raise ValueError(
-                f"fully_shard({label}): CommPolicy(all_gather_dtype={policy.all_gather_dtype}) quantizes floating-point "
-                f"parameters, but '{refs[id(param)][0].fqn}' is {param.dtype}; give it a fully_shard call of its own "
-                "without the all-gather quantization, or pass it in ignored_params"
-            )
-    if post_forward_size:
+    policy.check(label)  # integer parameters are refused for every policy by _check_params
+    if post_forward_size and policy.quantizes_all_gather:
         raise ValueError(
             f"fully_shard({label}): an int reshard_after_forward re-gathers full-precision post-forward shards, which "
             "CommPolicy's quantized all-gather does not do; pass reshard_after_forward=True or False"

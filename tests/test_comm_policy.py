@@ -1,0 +1,209 @@
+"""CommPolicy: what goes on the wire, tested by the bytes it moves and the numbers it gives.
+
+Block-quantized all-gathers (int8, fp8 e4m3) reproduce the kernels' quantize / dequantize exactly,
+eager and compiled; the bf16 gradient wire sums in float32 (exactly the float32 sum of the rounded
+contributions) and loses less than a bf16 reduce-scatter; bad policies fail at ``fully_shard``.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import fsdp_compile
+from fsdp_compile import CommPolicy, MixedPrecisionPolicy, fully_shard
+from fsdp_compile.kernels import quantized_reference
+from fsdp_compile.models import TransformerConfig, next_token_loss
+from fsdp_testing import SMALL, build_reference, count_process_group_calls, global_batches, local_part, shard_model, sharded_copy
+
+# Untied: under torch.compile a tied weight's two reads each cross the wire (rounded once per read).
+UNTIED = dataclasses.replace(SMALL, tie_embeddings=False)
+
+
+class _Echo(nn.Module):
+    """Returns its (unsharded) weight: what the all-gather delivered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(37, 24, generator=torch.Generator().manual_seed(0)) * 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * x
+
+
+def _expected_unsharded(full: torch.Tensor, world: int, wire: torch.dtype, block: int) -> torch.Tensor:
+    """Each rank's padded chunk, zero-filled to whole blocks, quantized and dequantized; then joined."""
+    chunk = -(-full.shape[0] // world)
+    rows = []
+    for rank in range(world):
+        piece = full[rank * chunk : (rank + 1) * chunk]
+        padded = torch.zeros(chunk, *full.shape[1:])
+        padded[: piece.shape[0]] = piece
+        flat = padded.reshape(-1)
+        slot = quantized_reference.quantized_slot_numels([flat.numel()], block)[0]
+        data, scales = quantized_reference.quantize_blocks(torch.nn.functional.pad(flat, [0, slot - flat.numel()]), block, wire)
+        rows.append(quantized_reference.dequantize_blocks(data, scales, block, torch.float32)[: flat.numel()].view(chunk, -1))
+    return torch.cat(rows)[: full.shape[0]]
+
+
+def _quantized_all_gather() -> dict:
+    out: dict = {}
+    world = dist.get_world_size()
+    for wire in (torch.int8, torch.float8_e4m3fn):
+        policy = CommPolicy(all_gather_dtype=wire, block_size=128)
+        reference = _Echo()
+        expected = _expected_unsharded(reference.weight.detach(), world, wire, 128)
+        for mode in ("eager", "compiled"):
+            torch._dynamo.reset()
+            model = _Echo()
+            fully_shard(model, comm_policy=policy)
+            runner = torch.compile(model, backend="fsdp_aot_eager") if mode == "compiled" else model
+            with fsdp_compile.record_collectives() as log:
+                seen = runner(torch.ones(37, 24)).detach()
+            out[f"{wire}_{mode}_gap"] = (seen - expected).abs().max().item()
+            if mode == "eager":
+                out[f"{wire}_bytes"] = sorted((str(r.dtype), r.nbytes) for r in log)
+        # The documented bound: int8 within half a block's scale of the full-precision weight.
+        full = reference.weight.detach()
+        out[f"{wire}_error"] = (expected - full).abs().max().item()
+        out[f"{wire}_absmax"] = full.abs().max().item()
+    return out
+
+
+def test_quantized_all_gather_delivers_the_kernels_dequantized_weights_eager_and_compiled(dist):
+    result = dist.run(2, _quantized_all_gather)[0]
+    for wire, name in ((torch.int8, "torch.int8"), (torch.float8_e4m3fn, "torch.float8_e4m3fn")):
+        assert result[f"{wire}_eager_gap"] == 0.0 and result[f"{wire}_compiled_gap"] == 0.0, result
+        # 19 of 37 rows per rank, 24 wide: 456 elements in a slot of 512 (4 blocks of 128), and 4 scales.
+        assert result[f"{wire}_bytes"] == sorted([(name, 512), ("torch.float32", 16)]), result[f"{wire}_bytes"]
+    assert result["torch.int8_error"] <= result["torch.int8_absmax"] / 127 / 2
+    assert 0 < result["torch.float8_e4m3fn_error"] <= result["torch.float8_e4m3fn_absmax"] * 2**-4
+
+
+class _Weighted(nn.Module):
+    """``sum(weight * c)``: the gradient of ``weight`` is exactly the rank's ``c``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(8192))
+
+    def forward(self, c: torch.Tensor) -> torch.Tensor:
+        return (self.weight * c).sum()
+
+
+def _gradient_wire() -> dict:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    contributions = [torch.randn(8192, generator=torch.Generator().manual_seed(r)) * (1 + r) for r in range(world)]
+    exact = sum(c.double() for c in contributions) / world
+    rounded_sum = sum(c.bfloat16().float() for c in contributions) / world  # float32, rank order
+    out = {}
+    for name, kwargs in (
+        ("wire", {"comm_policy": CommPolicy(reduce_wire_dtype=torch.bfloat16)}),
+        ("bf16_reduce_scatter", {"mp_policy": MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)}),
+    ):
+        model = _Weighted()
+        fully_shard(model, **kwargs)
+        with fsdp_compile.record_collectives() as log:
+            model(contributions[rank]).backward()
+        grad = model.weight.grad.full_tensor()
+        out[name] = (grad.double() - exact).abs().max().item()
+        out[f"{name}_vs_rounded_sum"] = (grad - rounded_sum).abs().max().item()
+        out[f"{name}_bytes"] = [(r.kind, str(r.dtype), r.nbytes) for r in log if r.kind == "reduce_scatter"]
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_bf16_wire_is_the_float32_sum_of_rounded_gradients_and_beats_a_bf16_reduce_scatter(dist, world):
+    result = dist.run(world, _gradient_wire)[0]
+    assert result["wire_vs_rounded_sum"] == 0.0, result
+    assert result["wire_bytes"] == [("reduce_scatter", "torch.bfloat16", 8192 * 2)]
+    # Measured here: 0.56x at world 2 (the bf16 reduce-scatter rounds once more, at its one sum)
+    # and 0.32x at world 4 (once per hop).
+    bound = 0.5 if world == 4 else 0.6
+    assert result["wire"] <= bound * result["bf16_reduce_scatter"], result
+
+
+def _train(policy: CommPolicy, mode: str, steps: int, config: TransformerConfig = UNTIED) -> list[float]:
+    torch._dynamo.reset()
+    model = shard_model(sharded_copy(build_reference(config)), fully_shard, comm_policy=policy)
+    runner = torch.compile(model, backend="fsdp_aot_eager") if mode == "compiled" else model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for batch in global_batches(steps, 2, dist.get_world_size(), config, seed=3):
+        tokens = local_part(batch)
+        loss = next_token_loss(runner(tokens), tokens)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+POLICIES = {
+    "int8": CommPolicy(all_gather_dtype=torch.int8),
+    # Compiles are the cost here: the bf16 wire rides along with the fp8 all-gather.
+    "fp8_bf16_wire": CommPolicy(all_gather_dtype=torch.float8_e4m3fn, reduce_wire_dtype=torch.bfloat16),
+}
+
+
+def _eager_and_compiled(policy_name: str) -> dict:
+    policy = POLICIES[policy_name]
+    return {"eager": _train(policy, "eager", 3), "compiled": _train(policy, "compiled", 3)}
+
+
+@pytest.mark.parametrize("policy_name", list(POLICIES))
+def test_quantized_all_gathers_and_the_bf16_wire_train_alike_eager_and_compiled(dist, policy_name):
+    result = dist.run(2, _eager_and_compiled, policy_name)[0]
+    for eager, compiled in zip(result["eager"], result["compiled"]):
+        assert abs(eager - compiled) <= 1e-5 * max(1.0, abs(eager)), result
+
+
+def _convergence() -> dict:
+    return {"full": _train(CommPolicy(), "eager", 50), "int8": _train(POLICIES["int8"], "eager", 50)}
+
+
+def test_int8_all_gather_training_converges_like_full_precision(dist):
+    result = dist.run(2, _convergence)[0]
+    assert result["full"][-1] < 0.8 * result["full"][0], result["full"]  # it did learn
+    assert abs(result["int8"][-1] - result["full"][-1]) <= 0.02 * result["full"][-1], (result["int8"][-1], result["full"][-1])
+
+
+class _WithCounter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.steps = nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False)
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+def _guard_rails() -> dict:
+    cases = {
+        "integer parameter": (_WithCounter, CommPolicy(all_gather_dtype=torch.int8)),
+        "block size": (lambda: nn.Linear(4, 4), CommPolicy(all_gather_dtype=torch.int8, block_size=100)),
+        "wire dtype": (lambda: nn.Linear(4, 4), CommPolicy(all_gather_dtype=torch.float16)),
+        "reduce wire": (lambda: nn.Linear(4, 4), CommPolicy(reduce_wire_dtype=torch.int8)),
+    }
+    messages = {}
+    with count_process_group_calls() as calls:
+        for name, (build, policy) in cases.items():
+            try:
+                fully_shard(build(), comm_policy=policy)
+                messages[name] = ""
+            except ValueError as error:
+                messages[name] = str(error)
+    return {"messages": messages, "calls": list(calls)}
+
+
+def test_a_policy_that_cannot_apply_fails_at_fully_shard_before_any_collective(dist):
+    result = dist.run(2, _guard_rails)[0]
+    messages = result["messages"]
+    assert "'steps' has dtype torch.int64" in messages["integer parameter"] and "ignored_params" in messages["integer parameter"]
+    assert "multiple of 16" in messages["block size"] and "100" in messages["block size"]
+    assert "torch.int8 or torch.float8_e4m3fn" in messages["wire dtype"]
+    assert "floating-point" in messages["reduce wire"]
+    assert result["calls"] == []
