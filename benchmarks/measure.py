@@ -175,12 +175,12 @@ _ITEMSIZE = {
     "c10::Float8_e4m3fn": 1, "c10::Float8_e5m2": 1, "int": 4, "long int": 8, "long": 8,
 }
 # Where each collective's input tensor sits among the profiled op's inputs. The c10d ops of the eager
-# runtimes carry shapes; traced graphs' coalesced c10d ops carry tensor lists without them, so those are
-# read from the functional op that issued them (``_c10d_functional::*``).
+# runtimes carry shapes (an all-to-all's too, traced or not); traced graphs' coalesced c10d ops carry
+# tensor lists without them, so those are read from the functional op that issued them.
 _INPUT_INDEX = {
     "c10d::_allgather_base_": 1, "c10d::_reduce_scatter_base_": 1, "c10d::alltoall_base_": 1,
     "_c10d_functional::all_gather_into_tensor": 0, "_c10d_functional::reduce_scatter_tensor": 0,
-    "_c10d_functional::all_to_all_single": 0, "_c10d_functional::all_reduce": 0,
+    "_c10d_functional::all_reduce": 0, "_c10d_functional::all_reduce_": 0,
 }
 
 

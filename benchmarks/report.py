@@ -15,6 +15,8 @@ import sys
 
 import torch
 
+from benchmarks.modes import COMM_POLICY_MODES
+
 from benchmarks.config import BASELINE_LOSS, BASELINE_SPEED, BenchConfig
 from benchmarks.modes import COMPILED
 
@@ -177,10 +179,12 @@ def _meta(cfg: BenchConfig, results: dict, world: int, device: torch.device) -> 
         "machine": machine,
         "world_size": world,
         "parameters": parameters,
-        "tokens_per_step": cfg.batch * cfg.seq * world,
+        "tokens_per_step": cfg.batch * cfg.seq * (world // cfg.tp),  # tp ranks share their dp rank's batch
         "inductor_startup_s": results["inductor_startup_s"],
         "config": {k: v for k, v in cfg.__dict__.items() if k != "command"},
-        "section_key": f"{device.type}-{'nccl' if device.type == 'cuda' else 'gloo'}-world{world}",
+        "section_key": f"{device.type}-{'nccl' if device.type == 'cuda' else 'gloo'}-world{world}"
+        + (f"-tp{cfg.tp}" if cfg.tp > 1 else "")
+        + ("-comm-policy" if set(cfg.modes) & set(COMM_POLICY_MODES) else ""),
     }
 
 
@@ -225,7 +229,8 @@ def _model_text(config: dict) -> str:
     precision = "bf16 params / fp32 reduce" if config["bf16"] else "fp32"
     return (f"dim {config['dim']}, {config['layers']} layers, {config['heads']} heads, vocab {config['vocab']}, "
             f"seq {config['seq']}, batch {config['batch']} per rank, {head}, {precision}, "
-            f"{config['warmup']} warm-up + {config['steps']} measured steps")
+            + (f"tensor parallel {config['tp']} ways (torchtitan's plan; batch per dp rank), " if config.get("tp", 1) > 1 else "")
+            + f"{config['warmup']} warm-up + {config['steps']} measured steps")
 
 
 def write_results_md(path: str, section: str, key: str) -> None:

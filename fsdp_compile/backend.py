@@ -108,23 +108,23 @@ INDUCTOR_COMM_PASSES_OFF: dict[str, Any] = {
 
 
 def refuse_tensor_parallel_graphs(example_inputs: Sequence[Any]) -> None:
-    """A graph that takes a tensor-parallel parameter of a fully_shard group, sharded or unsharded
-    (the eager fallback's and per-block compile's graphs read the unsharded one), is refused: the
-    compiled path does not compose with tensor parallelism yet."""
+    """A graph that takes a tensor-parallel parameter's *unsharded* DTensor (the eager fallback's and
+    per-block compile's graphs read it; the whole-model graph gathers from the sharded one) is
+    refused: those paths do not compose with tensor parallelism yet."""
     from fsdp_compile.state import live_states
 
     tensor_parallel = {
-        id(tensor): fsdp_param.fqn
+        id(fsdp_param._unsharded_param): fsdp_param.fqn
         for state in live_states() if state.group is not None
-        for fsdp_param in state.group.fsdp_params if fsdp_param.tensor_parallel is not None
-        for tensor in (fsdp_param.sharded_param, fsdp_param._unsharded_param) if tensor is not None
+        for fsdp_param in state.group.fsdp_params
+        if fsdp_param.tensor_parallel is not None and fsdp_param._unsharded_param is not None
     }
     read = [tensor_parallel[id(value)] for value in example_inputs if id(value) in tensor_parallel]
     if read:
         raise NotImplementedError(
-            f"fsdp_inductor: the graph reads the tensor-parallel DTensor parameter '{read[0]}'; the compiled FSDP path "
-            "does not support tensor parallelism yet. Train this model with the eager runtime (call it without "
-            "torch.compile)."
+            f"fsdp_inductor: the graph reads the unsharded tensor-parallel DTensor parameter '{read[0]}' (the eager "
+            "fallback, config.skip_fsdp_hooks, or per-block compile), which does not support tensor parallelism yet. "
+            "Compile the whole model with torch.compile(model, backend='fsdp_inductor'), or train eagerly."
         )
 
 

@@ -245,6 +245,7 @@ class FSDPState:
             fsdp_param.sharded_param, fsdp_param.layout, fsdp_param.param_dtype, group.reduce_spec, annotation,
             fsdp_param.accumulation_sink, group.requires_gradient_sync, accumulated, deferred, deferred_sink,
             (group.comm_policy.all_gather_dtype, group.comm_policy.block_size) if group.comm_policy.quantizes_all_gather else None,
+            fsdp_param.tensor_parallel,
         )
 
     @property

@@ -17,6 +17,8 @@ reproduces its numerics.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 import torch.fx.traceback as fx_traceback
@@ -26,6 +28,9 @@ from fsdp_compile.annotations import FSDP_ANNOTATION_KEY, GROUP_KEY, PARAM_KEY, 
 from fsdp_compile.collectives import ReduceSpec
 from fsdp_compile.kernels import quantized_reference
 from fsdp_compile.layout import ShardLayout
+
+if TYPE_CHECKING:
+    from fsdp_compile.mesh import TensorParallelLayout
 
 __all__ = ["trace_annotation", "unshard_for_trace", "install_traced_param_access", "FSDP_ANNOTATION_KEY", "BOUND_PARAMS_ATTR"]
 
@@ -155,21 +160,11 @@ class _AccumulateWithoutSync(torch.autograd.Function):
         return None, grad.to(ctx.sink_dtype)
 
 
-@torch._dynamo.disable
-def _refuse_tensor_parallel(fqn: str) -> None:
-    # Run eagerly at a graph break, so the error reaches the user: an exception raised in traced
-    # code would only make Dynamo fall back to running the frame eagerly.
-    raise NotImplementedError(
-        f"fsdp_inductor: '{fqn}' is a tensor-parallel DTensor parameter; the compiled FSDP path does not support "
-        "tensor parallelism yet. Train this model with the eager runtime (call it without torch.compile)."
-    )
-
-
 def unshard_for_trace(
     sharded: torch.Tensor, layout: ShardLayout, param_dtype: torch.dtype, spec: ReduceSpec, annotation: dict[str, object],
     sink: torch.Tensor, requires_gradient_sync: bool, accumulated: torch.Tensor | None,
     deferred: torch.Tensor | None = None, deferred_sink: torch.Tensor | None = None,
-    quantize: tuple[torch.dtype, int] | None = None,
+    quantize: tuple[torch.dtype, int] | None = None, tensor_parallel: "TensorParallelLayout | None" = None,
 ) -> torch.Tensor:
     """The full parameter from its sharded DTensor, as traceable functional collectives.
 
@@ -179,10 +174,22 @@ def unshard_for_trace(
     HSDP: ``deferred`` is the reduce-scattered sum of steps that skipped the all-reduce, added
     before this step's; ``deferred_sink`` (when this step skips it too) receives the sum instead
     ([Note: deferred all-reduce] in param.py). ``quantize``: ``(wire dtype, block size)`` of
-    CommPolicy's quantized all-gather, or None.
+    CommPolicy's quantized all-gather, or None. ``tensor_parallel``: a tensor-parallel parameter's
+    layout ([Note: FSDP over tensor-parallel parameters] in mesh.py): the gather over dp gives this
+    rank's TP piece, returned as the user's DTensor, whose operations trace TP's own collectives.
     """
-    if len(sharded.placements) != (1 if spec.replicate_group_name is None else 2):  # FSDP's own dims and more
-        _refuse_tensor_parallel(str(annotation[PARAM_KEY]))
+    full = _unshard_local(
+        sharded, layout, param_dtype, spec, annotation, sink, requires_gradient_sync, accumulated, deferred, deferred_sink,
+        quantize,
+    )
+    return full if tensor_parallel is None else tensor_parallel.unsharded(full)
+
+
+def _unshard_local(
+    sharded: torch.Tensor, layout: ShardLayout, param_dtype: torch.dtype, spec: ReduceSpec, annotation: dict[str, object],
+    sink: torch.Tensor, requires_gradient_sync: bool, accumulated: torch.Tensor | None,
+    deferred: torch.Tensor | None, deferred_sink: torch.Tensor | None, quantize: tuple[torch.dtype, int] | None,
+) -> torch.Tensor:
     with fx_traceback.annotate(annotation):
         local = layout.to_dim0(sharded.to_local())
         # Always pad (possibly by 0 rows): every rank must trace the same ops (fingerprint check).

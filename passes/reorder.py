@@ -49,7 +49,7 @@ import torch.fx as fx
 
 from fsdp_compile.config import PassConfig
 from fsdp_compile.passes.graph import (
-    ALL_GATHER, ALL_REDUCE, COLLECTIVES, REDUCE_SCATTER, WAIT, collective_bytes, collective_nodes, give_up,
+    ALL_GATHER, ALL_REDUCE, COLLECTIVES, REDUCE_SCATTER, WAIT, collective_bytes, collective_nodes, fsdp_annotation, give_up,
     single_wait,
 )
 
@@ -109,6 +109,8 @@ def _collectives(graph: fx.Graph) -> list[_Collective] | None:
     gathers = 0
     position = {node: i for i, node in enumerate(graph.nodes)}
     for node in sorted([*collective_nodes(graph, ALL_GATHER), *collective_nodes(graph, REDUCE_SCATTER)], key=position.__getitem__):
+        if fsdp_annotation(node) is None:
+            continue  # not FSDP's (tensor parallelism's own): left where its code put it
         wait_block = _wait_block(node, position)
         if wait_block is None:
             return None

@@ -552,24 +552,52 @@ def test_already_managed_error_only_when_true(error_messages):
     assert "'1.w1.weight' is already managed by fully_shard(FeedForward)" in error_messages["tied"]
 
 
-def _compiled_tp_is_refused() -> str:
-    model = _parallelized(1, 2, seed=0)
-    tokens = torch.zeros(2, 8, dtype=torch.long)
-    try:
-        # fsdp_aot_eager: fsdp_inductor's tracing and checks without code generation.
-        return _raises(lambda: torch.compile(model, backend="fsdp_aot_eager")(tokens))
-    finally:
-        torch._dynamo.reset()
+def _compiled_tp_parity():
+    """The whole model under fsdp_aot_eager (fsdp_inductor's tracing, checks and passes without code
+    generation) against eager and the single-process reference; what the graphs hold."""
+    from fsdp_compile.backend import observe_graphs
+    from fsdp_compile.passes.graph import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, collective_nodes, fsdp_annotation
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh.get_local_rank("dp")
+    batches = _batches(2, rows_per_dp_rank=2)
+    reference = build_model()
+    eager = parallelize(copy.deepcopy(reference), fsdp_compile.fully_shard, mesh["tp"], mesh["dp"])
+    model = parallelize(copy.deepcopy(reference), fsdp_compile.fully_shard, mesh["tp"], mesh["dp"])
+    eager_losses = train(eager, batches, dp_rank, 2)
+    with observe_graphs() as graphs:
+        losses = train(torch.compile(model, backend="fsdp_aot_eager"), batches, dp_rank, 2)
+    reference_losses = train_reference_sgd(reference, batches)
+    kinds = {}
+    for kind, gm in graphs:
+        if kind in ("forward", "backward"):
+            for name, target in (("all_gather", ALL_GATHER), ("reduce_scatter", REDUCE_SCATTER), ("all_reduce", ALL_REDUCE)):
+                for node in collective_nodes(gm.graph, target):
+                    owner = "fsdp" if fsdp_annotation(node) is not None else "tp"
+                    kinds[(kind, owner, name)] = kinds.get((kind, owner, name), 0) + 1
+    counters = torch._dynamo.utils.counters
+    breaks = sum(counters["graph_break"].values())
+    torch._dynamo.reset()
+    return losses, reference_losses, max_param_difference(model, reference), eager_losses, kinds, breaks
 
 
-def test_compiled_path_refuses_tp_parameters(dist):
-    message = dist.run(2, _compiled_tp_is_refused)[0]
-    # Raised by the traced parameter read, or (as seen on torch 2.13) by the backend when Dynamo
-    # compiles the graph before that read, whose inputs hold the sharded DTensor parameter.
-    assert "NotImplementedError: fsdp_inductor:" in message and "tensor-parallel" in message
-    assert "eager runtime" in message
+def test_compiled_fsdp_over_tp_holds_both_kinds_of_collectives_and_matches_eager(dist):
+    results = dist.run(4, _compiled_tp_parity)
+    losses, reference_losses, param_diff, eager_losses, kinds, breaks = results[0]
+    for ours, eager, ref in zip(losses, eager_losses, reference_losses):
+        assert abs(ours - eager) <= LOSS_RTOL * abs(eager) and abs(ours - ref) <= LOSS_RTOL * abs(ref), (losses, eager_losses)
+    assert param_diff <= PARAM_ATOL, param_diff
+    assert breaks == 0
+    # FSDP's: one bucketed all-gather per group in forward (2 blocks + root), re-gathers of the
+    # blocks and one reduce-scatter per group in backward. TP's own: the rowwise all-reduces
+    # (attention.wo, feed_forward.w2 per block) forward, the colwise input-gradient ones backward.
+    assert kinds[("forward", "fsdp", "all_gather")] == 3 and kinds[("backward", "fsdp", "reduce_scatter")] == 3, kinds
+    assert kinds[("forward", "tp", "all_reduce")] == 4 and kinds.get(("backward", "tp", "all_reduce"), 0) >= 4, kinds
+    assert not any(owner == "tp" and name != "all_reduce" for _, owner, name in kinds), kinds
 
 
-def test_compiled_backend_refuses_dtensor_graphs(error_messages):
+def test_compiled_backend_refuses_the_fallbacks_unsharded_tp_graphs(error_messages):
     message = error_messages["dtensor_graph"]
-    assert message.startswith("NotImplementedError") and "parameter 'w1.weight'" in message and "eager runtime" in message
+    assert message.startswith("NotImplementedError") and "parameter 'w1.weight'" in message and "train eagerly" in message
