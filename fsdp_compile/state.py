@@ -529,15 +529,19 @@ class FSDPState:
         for state in ctx.states:
             if state.group is not None:
                 state.group.finalize_backward()
-            state.training_state = TrainingState.IDLE
-            state._post_forward_indices.clear()
-            state._modules_to_run_forward.clear()
-            state._unfired_post_backward_triggers = 0
+            state._forget_step()
         if self.is_last_backward:
             ctx.comm.finish_reductions()
         ctx.comm.release()
         ctx.post_forward_order = []
         ctx.final_callback_queued = False
+
+    def _forget_step(self) -> None:
+        """This state's bookkeeping of the step that ended (or failed)."""
+        self.training_state = TrainingState.IDLE
+        self._post_forward_indices.clear()
+        self._modules_to_run_forward.clear()
+        self._unfired_post_backward_triggers = 0
 
     def reset_iter_state(self) -> None:
         """The root's recovery after an exception mid-step (``FSDPModule.reset_iter_state``)."""
@@ -545,10 +549,7 @@ class FSDPState:
         for state in states:
             if state.group is not None:
                 state.group.reset_after_failed_step()
-            state.training_state = TrainingState.IDLE
-            state._post_forward_indices.clear()
-            state._modules_to_run_forward.clear()
-            state._unfired_post_backward_triggers = 0
+            state._forget_step()
         self.comm.reducing_groups.clear()
         self.comm.release()
         self._release_staged_grads()

@@ -230,7 +230,11 @@ def _dependents(nodes: list[fx.Node]) -> set[fx.Node]:
     return seen
 
 
-def _bucket_reduce_scatter(graph: fx.Graph, bucket: _Bucket) -> bool:
+def _bucket_reduction(graph: fx.Graph, bucket: _Bucket) -> bool:
+    """One reduction per bucket, right after its last gradient: a reduce-scatter (then, for HSDP, the
+    added deferred sums and the all-reduce), or CommPolicy's all-to-all, whose received
+    ``[world, total]`` rows each member reads its columns of (its float32 sum stays per parameter,
+    for Inductor to fuse)."""
     position = {n: i for i, n in enumerate(graph.nodes)}
     grads = [m.collective.args[0] for m in bucket.members]
     anchor = max(grads, key=position.__getitem__)
@@ -239,8 +243,8 @@ def _bucket_reduce_scatter(graph: fx.Graph, bucket: _Bucket) -> bool:
     if any(g in dependents for g in grads):
         give_up("bucket", "gradients of %s depend on each other's reduction; left per parameter", bucket.groups)
         return False
-    _, _, reduce_op, world, group_name, replicate, _ = bucket.key
-    annotation = _bucket_annotation(bucket, "reduce_scatter")
+    kind = bucket.key[0]
+    annotation = _bucket_annotation(bucket, COLLECTIVE_NAMES[kind])
     total = bucket.numel()
     cursor = anchor  # each new node goes right after the previous one
 
@@ -250,70 +254,36 @@ def _bucket_reduce_scatter(graph: fx.Graph, bucket: _Bucket) -> bool:
             cursor = _new_node(graph, target, args, annotation)
         return cursor
 
+    world = bucket.key[3] if kind is REDUCE_SCATTER else bucket.key[2]
     per_rank = [emit(_aten.reshape.default, (g, [world, m.numel])) for g, m in zip(grads, bucket.members)]
     copy_in = emit(_aten.cat.default, (per_rank, 1)) if len(per_rank) > 1 else per_rank[0]
     flat = emit(_aten.reshape.default, (copy_in, [world * total]))
-    reduced = emit(WAIT, (emit(REDUCE_SCATTER, (flat, reduce_op, world, group_name)),))
-    if any(m.added is not None for m in bucket.members):
-        # A tied parameter's second read adds nothing: its sum was added through the first.
-        addends = [
-            emit(_aten.reshape.default, (m.added.args[1], [m.numel])) if m.added is not None
-            else emit(_aten.new_zeros.default, (reduced, [m.numel]))
-            for m in bucket.members
-        ]
-        reduced = emit(_aten.add.Tensor, (reduced, emit(_aten.cat.default, (addends, 0)) if len(addends) > 1 else addends[0]))
-    if replicate is not None:
-        reduced = emit(WAIT, (emit(ALL_REDUCE, (reduced, replicate[0], replicate[1])),))
+    if kind is ALL_TO_ALL:
+        splits = [total] * world
+        received = emit(_aten.reshape.default, (emit(WAIT, (emit(ALL_TO_ALL, (flat, splits, splits, bucket.key[3])),)), [world, total]))
+        pieces = [(member.wait, received, 1) for member in bucket.members]
+    else:
+        _, _, reduce_op, world, group_name, replicate, _ = bucket.key
+        reduced = emit(WAIT, (emit(REDUCE_SCATTER, (flat, reduce_op, world, group_name)),))
+        if any(m.added is not None for m in bucket.members):
+            # A tied parameter's second read adds nothing: its sum was added through the first.
+            addends = [
+                emit(_aten.reshape.default, (m.added.args[1], [m.numel])) if m.added is not None
+                else emit(_aten.new_zeros.default, (reduced, [m.numel]))
+                for m in bucket.members
+            ]
+            reduced = emit(_aten.add.Tensor, (reduced, emit(_aten.cat.default, (addends, 0)) if len(addends) > 1 else addends[0]))
+        if replicate is not None:
+            reduced = emit(WAIT, (emit(ALL_REDUCE, (reduced, replicate[0], replicate[1])),))
+        pieces = [(member.result, reduced, 0) for member in bucket.members]
     offset = 0
-    for member in bucket.members:
-        piece = emit(_aten.slice.Tensor, (reduced, 0, offset, offset + member.numel))
-        shard = emit(_aten.view.default, (piece, list(_shape(member.result))))
+    for member, (result, source, dim) in zip(bucket.members, pieces):
+        piece = emit(_aten.slice.Tensor, (source, dim, offset, offset + member.numel))
+        if dim:  # the received rows' columns: copied out of the row-major buffer
+            piece = emit(_aten.clone.default, (piece,))
         offset += member.numel
-        member.result.replace_all_uses_with(shard)
+        result.replace_all_uses_with(emit(_aten.view.default, (piece, list(_shape(result)))))
     # Readers of a reduced shard that sat between its old collective and the last gradient move after the bucket.
-    for node in [n for n in graph.nodes if n in dependents and position.get(n, -1) < position[anchor]]:
-        cursor.append(node)
-        cursor = node
-    for member in bucket.members:
-        for node in reversed(_chain(member)):
-            graph.erase_node(node)
-    return True
-
-
-def _bucket_all_to_all(graph: fx.Graph, bucket: _Bucket) -> bool:
-    """CommPolicy's gradient wire: one all-to-all of the group's ``[world, total]`` rows; each member's
-    received ``[world * rows, ...]`` is its columns of the result (its float32 sum stays per parameter,
-    for Inductor to fuse)."""
-    position = {n: i for i, n in enumerate(graph.nodes)}
-    sources = [m.collective.args[0] for m in bucket.members]
-    anchor = max(sources, key=position.__getitem__)
-    old = [n for m in bucket.members for n in _chain(m)]
-    dependents = _dependents(old) - set(old)
-    if any(g in dependents for g in sources):
-        give_up("bucket", "gradients of %s depend on each other's all-to-all; left per parameter", bucket.groups)
-        return False
-    _, _, world, group_name, _ = bucket.key
-    annotation = _bucket_annotation(bucket, "all_to_all")
-    total = bucket.numel()
-    cursor = anchor
-
-    def emit(target: Any, args: tuple) -> fx.Node:
-        nonlocal cursor
-        with graph.inserting_after(cursor):
-            cursor = _new_node(graph, target, args, annotation)
-        return cursor
-
-    per_rank = [emit(_aten.reshape.default, (g, [world, m.numel])) for g, m in zip(sources, bucket.members)]
-    copy_in = emit(_aten.cat.default, (per_rank, 1)) if len(per_rank) > 1 else per_rank[0]
-    flat = emit(_aten.reshape.default, (copy_in, [world * total]))
-    splits = [total] * world
-    received = emit(_aten.reshape.default, (emit(WAIT, (emit(ALL_TO_ALL, (flat, splits, splits, group_name)),)), [world, total]))
-    offset = 0
-    for member in bucket.members:
-        piece = emit(_aten.slice.Tensor, (received, 1, offset, offset + member.numel))
-        rows = emit(_aten.clone.default, (piece,))
-        offset += member.numel
-        member.wait.replace_all_uses_with(emit(_aten.view.default, (rows, list(_shape(member.wait)))))
     for node in [n for n in graph.nodes if n in dependents and position.get(n, -1) < position[anchor]]:
         cursor.append(node)
         cursor = node
@@ -346,10 +316,9 @@ def bucket_collectives(gm: fx.GraphModule, config: PassConfig) -> fx.GraphModule
     changed = False
     for bucket in _collect(graph, ALL_GATHER, config):
         changed |= _bucket_all_gather(graph, bucket)
-    for bucket in _collect(graph, REDUCE_SCATTER, config):
-        changed |= _bucket_reduce_scatter(graph, bucket)
-    for bucket in _collect(graph, ALL_TO_ALL, config):
-        changed |= _bucket_all_to_all(graph, bucket)
+    for target in (REDUCE_SCATTER, ALL_TO_ALL):
+        for bucket in _collect(graph, target, config):
+            changed |= _bucket_reduction(graph, bucket)
     if changed:
         graph.lint()
         gm.recompile()
