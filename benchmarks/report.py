@@ -214,7 +214,7 @@ def _section(meta: dict, table: str, summary: dict) -> str:
     slowest = _slowest_line(summary)
     return (
         f"<!-- benchmark section: {key} -->\n"
-        f"## {meta['machine']}, world size {meta['world_size']}\n\n"
+        f"## {meta['machine']}, world size {meta['world_size']}{_section_topic(key)}\n\n"
         f"Command: `{meta['command']}`  \n"
         f"torch {meta['torch']}, Python {meta['python']}, {meta['date'][:10]}, commit {meta['commit']}.  \n"
         f"Model: {meta['parameters'] / 1e6:.2f}M parameters ({_model_text(meta['config'])}), "
@@ -222,6 +222,16 @@ def _section(meta: dict, table: str, summary: dict) -> str:
         f"{table}\n\n{slowest + chr(10) + chr(10) if slowest else ''}{_method(meta)}\n"
         f"<!-- end benchmark section: {key} -->\n"
     )
+
+
+def _section_topic(key: str) -> str:
+    """What sets a section apart from the plain run of the same machine and world size (its key's suffix)."""
+    topics = []
+    if "-tp" in key:
+        topics.append(f"FSDP + TP ({key.split('-tp')[1].split('-')[0]}-way)")
+    if key.endswith("-comm-policy"):
+        topics.append("CommPolicy modes")
+    return "".join(f", {topic}" for topic in topics)
 
 
 def _model_text(config: dict) -> str:
