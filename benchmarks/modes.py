@@ -19,19 +19,21 @@ from fsdp_compile.models import Transformer, TransformerConfig
 
 __all__ = ["Mode", "build_mode", "COMPILED", "COMM_POLICY_MODES"]
 
-# ours-compiled's graph passes per mode; the ablations turn some off (benchmarks/config.py).
-_PASSES = {
-    "ours-compiled": PassConfig(),
-    "ours-compiled-bucket": PassConfig(reorder=False),
-    "ours-compiled-nopasses": PassConfig(bucket=False, reorder=False),
-}
 # Ours with a CommPolicy (fsdp_compile.CommPolicy): what goes on the wire, eager and compiled.
 _COMM_POLICIES = {
     "int8ag": fsdp_compile.CommPolicy(all_gather_dtype=torch.int8),
     "bf16rs": fsdp_compile.CommPolicy(reduce_wire_dtype=torch.bfloat16),
 }
-COMM_POLICY_MODES = tuple(f"ours-{kind}-{policy}" for policy in _COMM_POLICIES for kind in ("eager", "compiled"))
-COMPILED = frozenset({"ours-fallback", "torch-blockcompile", *_PASSES, *(m for m in COMM_POLICY_MODES if "-compiled-" in m)})
+_MODE_COMM_POLICY = {f"ours-{kind}-{name}": policy for name, policy in _COMM_POLICIES.items() for kind in ("eager", "compiled")}
+COMM_POLICY_MODES = tuple(_MODE_COMM_POLICY)
+# Every fsdp_inductor mode's graph passes; the ablations turn some off (benchmarks/config.py).
+_PASSES = {
+    "ours-compiled": PassConfig(),
+    "ours-compiled-bucket": PassConfig(reorder=False),
+    "ours-compiled-nopasses": PassConfig(bucket=False, reorder=False),
+    **{name: PassConfig() for name in COMM_POLICY_MODES if name.startswith("ours-compiled-")},
+}
+COMPILED = frozenset({"ours-fallback", "torch-blockcompile", *_PASSES})
 
 
 @dataclass
@@ -115,12 +117,12 @@ def build_mode(name: str, config: TransformerConfig, device: torch.device, seed:
     runnable: nn.Module = model
     mesh = {"mesh": _tensor_parallel(model, device, tp)} if tp > 1 else {}
     if name.startswith("ours-"):
-        comm_policy = _COMM_POLICIES.get(name.rsplit("-", 1)[-1], fsdp_compile.CommPolicy())
+        comm_policy = _MODE_COMM_POLICY.get(name, fsdp_compile.CommPolicy())
         _shard(model, fsdp_compile.fully_shard, _ours_policy(bf16), comm_policy=comm_policy, **mesh)
-        if name in _PASSES or name in COMPILED and name in COMM_POLICY_MODES:
+        if name in _PASSES:
             # One backend object per mode: Dynamo would otherwise hand a later mode the graph (and
             # passes) compiled for an earlier one, the model class being the same.
-            runnable = torch.compile(model, backend=fsdp_inductor_with(_PASSES.get(name, PassConfig())))
+            runnable = torch.compile(model, backend=fsdp_inductor_with(_PASSES[name]))
         elif name == "ours-fallback":
             # The FSDP hooks run eagerly between compiled regions; the flag is on only during this mode's steps.
             step_context = _skip_fsdp_hooks

@@ -214,23 +214,32 @@ def _issue_all_gather(
     total: int, dtype: torch.dtype, copy_in: Callable[[torch.Tensor], None], group: ShardGroup, comm: CommContext,
     label: str, reason: str, custom: Any,
 ) -> PendingAllGather:
-    world_size, handle = group.shard_size, comm.handle
-    copy_in_stream, all_gather_stream = comm.all_gather_streams(reason)
-    with handle.on_stream(copy_in_stream, "all_gather_copy_in"):
-        output = _allocate(custom, (world_size, total), dtype, comm.device)
+    streams = comm.all_gather_streams(reason)
+    with comm.handle.on_stream(streams[0], "all_gather_copy_in"):
+        output = _allocate(custom, (group.shard_size, total), dtype, comm.device)
         copy_in(output[group.shard_rank])
-    handle.wait_stream(all_gather_stream, copy_in_stream)
-    record(CollectiveRecord("all_gather", label, total, dtype, reason))
+    comm.handle.wait_stream(streams[1], streams[0])
+    return _gather_rows(output, dtype, group, comm, streams, label, reason, custom)
+
+
+def _gather_rows(
+    output: torch.Tensor, wire_dtype: torch.dtype, group: ShardGroup, comm: CommContext, streams: tuple[Any, Any],
+    label: str, reason: str, custom: Any = None,
+) -> PendingAllGather:
+    """All-gather the ``[world, numel]`` buffer whose row this rank's copy-in wrote, on the
+    all-gather stream of ``streams`` (copy-in stream, all-gather stream); recorded in ``wire_dtype``."""
+    handle, all_gather_stream = comm.handle, streams[1]
+    record(CollectiveRecord("all_gather", label, output.shape[1], wire_dtype, reason))
     work = None
     with handle.on_stream(all_gather_stream, "all_gather"):
-        if world_size > 1 or custom is not None:
+        if group.shard_size > 1 or custom is not None:
             run = custom if custom is not None else all_gather_single
             try:
                 work = run(output.view(-1), output[group.shard_rank], group=group.shard_group, async_op=True)
             except Exception as error:  # noqa: BLE001
                 _raise_collective_error("all-gather", label, error)
         event = handle.record_event(all_gather_stream, "all_gather")
-    return PendingAllGather(work, output, label, event, copy_in_stream is comm.all_gather_copy_in_stream)
+    return PendingAllGather(work, output, label, event, streams[0] is comm.all_gather_copy_in_stream)
 
 
 # Byte offsets of packed inputs are multiples of this, so every output can be viewed in its dtype.
@@ -321,8 +330,8 @@ def issue_reduce_scatter(
             # The compute stream frees these grads once we return; the copy-in may still read them.
             handle.keep_alive(grad, stream)
     record(CollectiveRecord("reduce_scatter", label, total * world_size, spec.reduce_input_dtype, "backward"))
-    if spec.wire_dtype is not None:
-        return _issue_wire_reduction(reduce_input, group, comm, label, custom)
+    if spec.wire_dtype is not None:  # a custom reduce-scatter is refused with it (set_custom_reduce_scatter)
+        return _issue_wire_reduction(reduce_input, group, comm, label)
     with handle.on_stream(stream, "reduce_scatter"):
         work, output = None, reduce_input.view(-1)
         if world_size > 1 or custom is not None:
@@ -338,16 +347,9 @@ def issue_reduce_scatter(
     return PendingReduceScatter(work, output, label, event, keep_alive=[reduce_input])
 
 
-def _issue_wire_reduction(
-    reduce_input: torch.Tensor, group: ShardGroup, comm: CommContext, label: str, custom: Any
-) -> PendingReduceScatter:
+def _issue_wire_reduction(reduce_input: torch.Tensor, group: ShardGroup, comm: CommContext, label: str) -> PendingReduceScatter:
     """CommPolicy's gradient wire: an all-to-all hands each rank every rank's chunk of its shard, in
     the wire dtype, as a ``[world, total]`` tensor; the copy-out sums its rows in float32."""
-    if custom is not None:
-        raise NotImplementedError(
-            f"fsdp_compile: group '{label}' has both a custom reduce-scatter and CommPolicy.reduce_wire_dtype; the wire "
-            "reduction is an all-to-all. Use one of the two."
-        )
     handle, stream = comm.handle, comm.reduce_scatter_stream
     with handle.on_stream(stream, "reduce_scatter"):
         work, received = None, reduce_input
@@ -385,26 +387,16 @@ def issue_quantized_all_gather(
     slots = sum(quantized_reference.quantized_slot_numels(padded_numels, block_size))
     # gloo has no float8 dtype: e4m3 travels as its bytes.
     buffer_dtype = quantized_reference.E4M3_BYTES if wire_dtype == torch.float8_e4m3fn else wire_dtype
-    world_size, handle = group.shard_size, comm.handle
-    copy_in_stream, all_gather_stream = comm.all_gather_streams(reason)
-    with handle.on_stream(copy_in_stream, "all_gather_copy_in"):
-        data = torch.empty((world_size, slots), dtype=buffer_dtype, device=comm.device)
-        scales = torch.empty((world_size, slots // block_size), dtype=torch.float32, device=comm.device)
+    streams = comm.all_gather_streams(reason)
+    with comm.handle.on_stream(streams[0], "all_gather_copy_in"):
+        data = torch.empty((group.shard_size, slots), dtype=buffer_dtype, device=comm.device)
+        scales = torch.empty((group.shard_size, slots // block_size), dtype=torch.float32, device=comm.device)
         quantized.quantized_all_gather_copy_in(shards, padded_numels, data[group.shard_rank], scales[group.shard_rank], block_size)
-    handle.wait_stream(all_gather_stream, copy_in_stream)
-    pending = []
-    for output, dtype in ((data, wire_dtype), (scales, torch.float32)):
-        record(CollectiveRecord("all_gather", label, output.shape[1], dtype, reason))
-        work = None
-        with handle.on_stream(all_gather_stream, "all_gather"):
-            if world_size > 1:
-                try:
-                    work = all_gather_single(output.view(-1), output[group.shard_rank], group=group.shard_group, async_op=True)
-                except Exception as error:  # noqa: BLE001
-                    _raise_collective_error("all-gather", label, error)
-            event = handle.record_event(all_gather_stream, "all_gather")
-        pending.append(PendingAllGather(work, output, label, event, copy_in_stream is comm.all_gather_copy_in_stream))
-    return PendingQuantizedAllGather(*pending)
+    comm.handle.wait_stream(streams[1], streams[0])
+    return PendingQuantizedAllGather(
+        _gather_rows(data, wire_dtype, group, comm, streams, label, reason),
+        _gather_rows(scales, torch.float32, group, comm, streams, label, reason),
+    )
 
 
 def gather_full(local: torch.Tensor, layout: ShardLayout, group: ShardGroup, device: torch.device, label: str, reason: str) -> torch.Tensor:

@@ -283,8 +283,14 @@ class FSDPModule:
         """Run this module's reduce-scatters with ``comm``, an FSDP2 ``ReduceScatter``: ``allocate``
         makes the input and output buffers and ``comm(output, input, group=, op=, async_op=)``
         reduces (``op`` is always ``SUM``; the divide factors are applied around it)."""
-        _check_comm(comm, "set_custom_reduce_scatter", self._fsdp_state().label)
+        label = self._fsdp_state().label
+        _check_comm(comm, "set_custom_reduce_scatter", label)
         for group in self._groups(recurse=False):
+            if group.comm_policy.reduce_wire_dtype is not None:
+                raise ValueError(
+                    f"set_custom_reduce_scatter on '{label}': its CommPolicy sends gradients over the wire as an all-to-all "
+                    f"(reduce_wire_dtype={group.comm_policy.reduce_wire_dtype}), not a reduce-scatter; use one of the two."
+                )
             group.custom_reduce_scatter = comm
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
