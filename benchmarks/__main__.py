@@ -11,6 +11,11 @@ from benchmarks.run import worker
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
+    if config.compile_scaling is not None:
+        from benchmarks.scaling import run_compile_scaling
+
+        run_compile_scaling(config, pick_device_type(config.device))
+        return
     launch(worker, config.world_size, pick_device_type(config.device), config)
 
 

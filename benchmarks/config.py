@@ -12,13 +12,16 @@ from dataclasses import dataclass
 from benchmarks.modes import COMM_POLICY_MODES
 from fsdp_compile.models import TransformerConfig
 
-__all__ = ["MODES", "PASS_ABLATION_MODES", "BenchConfig", "parse_args"]
+__all__ = ["MODES", "PASS_ABLATION_MODES", "SCALING_MODES", "SCALING_LAYERS", "BenchConfig", "parse_args"]
 
 # Table order. torch-eager is the baseline of the speed ratio; ours-eager of the loss agreement.
 MODES = ("ours-eager", "ours-compiled", "ours-fallback", "torch-eager", "torch-blockcompile")
 # ours-compiled with some graph passes off, for a before/after-passes table from one run
 # (--pass-ablation adds them; --modes may name them).
 PASS_ABLATION_MODES = ("ours-compiled-bucket", "ours-compiled-nopasses")
+# --compile-scaling: the two ways users compile our FSDP model and PyTorch's per-block recipe.
+SCALING_MODES = ("ours-compiled", "ours-blockcompile", "torch-blockcompile")
+SCALING_LAYERS = (2, 8, 16, 32)
 BASELINE_SPEED = "torch-eager"
 BASELINE_LOSS = "ours-eager"
 
@@ -44,6 +47,8 @@ class BenchConfig:
     lr: float = 1e-3
     warm_compile: bool = True
     fresh_inductor_cache: bool = True
+    inductor_cache_dir: str | None = None  # kept per rank under this folder (--compile-scaling's warm runs)
+    compile_scaling: tuple[int, ...] | None = None  # layer counts of --compile-scaling
     out_dir: str = "bench_out"
     results_md: str | None = None
     command: str = ""
@@ -65,6 +70,8 @@ modes (all run in one process per rank, interleaved step by step: A B C A B C ..
   ours-compiled       the same, then torch.compile(model, backend="fsdp_inductor")
   ours-fallback       the same, fsdp_compile.config.skip_fsdp_hooks = True around each step,
                       torch.compile(model, backend="inductor")
+  ours-blockcompile   fsdp_compile.fully_shard per block + root, block.compile(backend="fsdp_inductor")
+                      per block (torchtitan's recipe; not in the default set)
   torch-eager         torch.distributed.fsdp.fully_shard per block + root, eager
   torch-blockcompile  torch.compile(block, fullgraph=True) per block, then PyTorch's
                       fully_shard per block + root (torchtitan's default)
@@ -101,17 +108,28 @@ examples:
   python -m benchmarks --modes ours-eager,torch-eager --steps 30
   python -m benchmarks --pass-ablation                   # + ours-compiled with passes off
   python -m benchmarks --comm-policy                     # + ours with int8 all-gathers / a bf16 gradient wire
+  python -m benchmarks --compile-scaling --results-md benchmarks/RESULTS.md   # compile s at 2-32 layers
   torchrun --nproc-per-node 8 -m benchmarks --dim 2048 --layers 16 --bf16
 """
 
 
 def _modes(text: str) -> tuple[str, ...]:
     names = tuple(name.strip() for name in text.split(",") if name.strip())
-    known = MODES + PASS_ABLATION_MODES + COMM_POLICY_MODES
+    known = tuple(dict.fromkeys(MODES + PASS_ABLATION_MODES + COMM_POLICY_MODES + SCALING_MODES))
     unknown = [name for name in names if name not in known]
     if unknown or not names:
         raise argparse.ArgumentTypeError(f"unknown mode(s) {unknown}; choose from {', '.join(known)}")
     return names
+
+
+def _layer_counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"--compile-scaling takes layer counts like 2,8,16,32; got {text!r}")
+    return counts
 
 
 def parse_args(argv: list[str] | None = None) -> BenchConfig:
@@ -149,6 +167,11 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     add("--comm-policy", action="store_true",
         help=f"also run {', '.join(COMM_POLICY_MODES)}: ours with an int8 block-quantized all-gather or a bf16 "
         "gradient wire with float32 sums (fsdp_compile.CommPolicy)")
+    add("--compile-scaling", nargs="?", const=SCALING_LAYERS, type=_layer_counts, default=None, metavar="LAYERS",
+        help=f"instead of one run: {', '.join(SCALING_MODES)} (or --modes) at {','.join(map(str, SCALING_LAYERS))} layers "
+        "(or the comma-separated LAYERS), "
+        "each layer count twice in fresh processes: cold (empty Inductor cache) and warm (the cache the cold run filled); "
+        "prints a table of compile seconds and step ms (with --results-md, also its section there)")
     add("--no-warm-compile", dest="warm_compile", action="store_false",
         help="skip rebuilding each compiled mode after torch._dynamo.reset() to time a warm compile")
     add("--reuse-inductor-cache", dest="fresh_inductor_cache", action="store_false",
@@ -170,5 +193,11 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         args.modes = tuple(args.modes) + tuple(m for m in PASS_ABLATION_MODES if m not in args.modes)
     if args.comm_policy:
         args.modes = tuple(args.modes) + tuple(m for m in COMM_POLICY_MODES if m not in args.modes)
+    if args.compile_scaling is not None:
+        # Unless named, the scaling modes and a few measured steps per layer count (32 layers is slow).
+        if args.modes == d.modes:
+            args.modes = SCALING_MODES
+        if args.steps == d.steps:
+            args.steps = 3
     del args.pass_ablation, args.comm_policy
     return BenchConfig(command=command, **{k: v for k, v in vars(args).items()})

@@ -221,6 +221,9 @@ def schedule_from_graph(gm: fx.GraphModule) -> list[Event]:
             group = (fsdp_annotation(node) or {}).get(GROUP_KEY)
             issued[node] = len(events)
             events.append(Issue(kind, collective_bytes(node), group))
+        elif node.target is torch.ops.higher_order.invoke_subgraph:
+            # A block compiled once (a nested region): its body's ops run here, in its order.
+            events.extend(schedule_from_graph(getattr(gm, node.args[0].target)))
         elif getattr(node.target, "namespace", None) == "_c10d_functional":
             raise ValueError(f"cost_model: no cost formula for {node.target} ({node.name}); add it to passes/graph.py's COLLECTIVE_NAMES")
         else:

@@ -33,7 +33,7 @@ _PASSES = {
     "ours-compiled-nopasses": PassConfig(bucket=False, reorder=False),
     **{name: PassConfig() for name in COMM_POLICY_MODES if name.startswith("ours-compiled-")},
 }
-COMPILED = frozenset({"ours-fallback", "torch-blockcompile", *_PASSES})
+COMPILED = frozenset({"ours-fallback", "ours-blockcompile", "torch-blockcompile", *_PASSES})
 
 
 @dataclass
@@ -123,6 +123,11 @@ def build_mode(name: str, config: TransformerConfig, device: torch.device, seed:
             # One backend object per mode: Dynamo would otherwise hand a later mode the graph (and
             # passes) compiled for an earlier one, the model class being the same.
             runnable = torch.compile(model, backend=fsdp_inductor_with(_PASSES[name]))
+        elif name == "ours-blockcompile":
+            # torchtitan's per-block recipe on ours: each block's forward compiled alone, the eager
+            # hooks around it (FSDPModule.compile); identical blocks share one graph.
+            for block in model.layers:
+                block.compile(backend="fsdp_inductor")
         elif name == "ours-fallback":
             # The FSDP hooks run eagerly between compiled regions; the flag is on only during this mode's steps.
             step_context = _skip_fsdp_hooks

@@ -99,16 +99,22 @@ def _step_all_ranks(mode: Mode, tokens: torch.Tensor, device: torch.device, agre
 def _fresh_inductor_cache(rank: int) -> str:
     # A cold compile is cold only with an empty cache; each rank gets its own, removed at the end.
     path = tempfile.mkdtemp(prefix=f"fsdp_bench_inductor_rank{rank}_")
+    _use_inductor_cache(path)
+    return path
+
+
+def _use_inductor_cache(path: str) -> None:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
     os.environ["TRITON_CACHE_DIR"] = os.path.join(path, "triton")
-    return path
 
 
 def worker(cfg: BenchConfig) -> None:
     """Runs on every rank with the process group initialized (see launch.py); rank 0 reports."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    cache = _fresh_inductor_cache(rank) if cfg.fresh_inductor_cache else None
+    cache = _fresh_inductor_cache(rank) if cfg.fresh_inductor_cache and cfg.inductor_cache_dir is None else None
+    if cfg.inductor_cache_dir is not None:
+        _use_inductor_cache(os.path.join(cfg.inductor_cache_dir, f"rank{rank}"))
     try:
         results = _run(cfg, rank, world, device)
     finally:

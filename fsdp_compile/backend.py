@@ -25,7 +25,8 @@ _graph_observers: list[Callable[[str, fx.GraphModule], None]] = []
 
 @contextlib.contextmanager
 def observe_graphs() -> Iterator[list[tuple[str, fx.GraphModule]]]:
-    """Collect ("joint" | "forward" | "backward", graph) as the fsdp backends produce them.
+    """Collect ("joint" | "forward" | "backward", graph) as the fsdp backends produce them (compile
+    caches are off while it is open, so every graph is produced).
 
     Example::
 
@@ -33,11 +34,16 @@ def observe_graphs() -> Iterator[list[tuple[str, fx.GraphModule]]]:
             torch.compile(model, backend="fsdp_aot_eager")(x).sum().backward()
         forward = next(g for kind, g in graphs if kind == "forward")
     """
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
     seen: list[tuple[str, fx.GraphModule]] = []
     observer = lambda kind, gm: seen.append((kind, gm))  # noqa: E731
     _graph_observers.append(observer)
     try:
-        yield seen
+        # A graph served from Inductor's or AOTAutograd's cache skips the passes that report it.
+        with inductor_config.patch(fx_graph_cache=False, fx_graph_remote_cache=False), functorch_config.patch(enable_autograd_cache=False):
+            yield seen
     finally:
         _graph_observers.remove(observer)
 
@@ -279,12 +285,45 @@ def fsdp_aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: 
     )
 
 
+# [Note: warm start across processes]
+# Inductor's FX graph cache keys a graph by pickling its example inputs. Our graphs take the
+# DTensor shards' DeviceMesh as opaque inputs, and torch pickles a mesh's whole __dict__ with the
+# memo on, whose bytes depend on object identities that differ from process to process: every
+# restart missed the cache and compiled again (seen with torch 2.13: 2 misses in a second process,
+# 2 hits with the reducer below). A mesh is keyed by what identifies it instead: device type,
+# ranks, dim names and process-group names (the graph takes the live mesh as an input at run
+# time, so nothing of it is baked into the cached code). Without the hook this torch offers, the
+# cache keeps its own behaviour.
+def _key_device_meshes_by_identity() -> None:
+    try:
+        from torch._inductor import codecache
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:
+        return
+    pickler = getattr(codecache, "FxGraphCachePickler", None)
+    reduce_opaque = getattr(pickler, "_reduce_fake_script_object", None)
+    ident = getattr(codecache, "_ident", None)
+    if reduce_opaque is None or ident is None or getattr(reduce_opaque, "_keys_meshes", False):
+        return
+
+    def reduce(self: Any, fake: Any) -> Any:
+        mesh = getattr(fake, "real_obj", None)
+        if isinstance(mesh, DeviceMesh):
+            groups = tuple(getattr(mesh, "_dim_group_names", None) or ())
+            return ident, (fake.script_class_name, (mesh.device_type, mesh.mesh.tolist(), mesh.mesh_dim_names, groups))
+        return reduce_opaque(self, fake)
+
+    reduce._keys_meshes = True  # type: ignore[attr-defined]
+    pickler._reduce_fake_script_object = reduce
+
+
 def _register() -> None:
     from torch._dynamo.backends.registry import _BACKENDS, register_backend
 
     for name, backend in (("fsdp_inductor", fsdp_inductor), ("fsdp_aot_eager", fsdp_aot_eager)):
         if name not in _BACKENDS:
             register_backend(name=name)(backend)
+    _key_device_meshes_by_identity()
 
 
 _register()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import Any, Callable, overload
 
 import torch
@@ -30,6 +31,7 @@ __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_
 # weak mapping: tensors compare elementwise, and weak references block torch.utils.swap_tensors.
 _OWNER_ATTR = "_fsdp_compile_owner"
 _fsdp_classes: dict[type, type] = {}
+_warned_eager_frames: set[str] = set()
 
 
 class UnshardHandle:
@@ -72,7 +74,29 @@ class FSDPModule:
             if state.compiles_as_region:
                 unsharded = [state.traced_unshard(fsdp_param) for fsdp_param in state.group.fsdp_params]
                 return _block_region(self, unsharded, args, kwargs)
+        elif self._fsdp_state().hooks_stood_aside():
+            return self._forward_with_eager_hooks(args, kwargs)
         return super().forward(*args, **kwargs)  # type: ignore[misc]
+
+    def _forward_with_eager_hooks(self, args: tuple, kwargs: dict) -> Any:
+        # [Note: frames Dynamo runs eagerly]
+        # Under a compiled model the FSDP hooks are traced into the caller's graph, where they
+        # stand aside for the traced parameter reads. If Dynamo then runs this forward eagerly
+        # (torch.compiler.disable on it, the recompile limit, a skipped frame), its parameters
+        # would be the sharded DTensors: run the eager hooks around it instead, which all-gather,
+        # reshard and reduce-scatter as in eager training.
+        state = self._fsdp_state()
+        if state.label not in _warned_eager_frames:
+            _warned_eager_frames.add(state.label)
+            warnings.warn(
+                f"fsdp_compile: the forward of '{state.label}' ran eagerly inside a compiled model (Dynamo did not "
+                "compile this frame: torch.compiler.disable, a recompile limit or a skipped frame); its FSDP hooks run "
+                "eagerly around it. Numerics are unchanged; its collectives are not part of the compiled graph.",
+                stacklevel=2,
+            )
+        args, kwargs = state._pre_forward(self, args, kwargs)
+        output = super().forward(*args, **kwargs)  # type: ignore[misc]
+        return state._post_forward(self, args, output)
 
     def compile(self, *args: Any, **kwargs: Any) -> None:
         """``module.compile(...)`` (``torch.compile``'s arguments).
@@ -420,12 +444,13 @@ def _run_block_with(module: nn.Module, unsharded: list[torch.Tensor], args: tupl
 # list on the module). So the region holds no collective and nothing that tells blocks apart, and
 # the graph passes still bucket and reorder every all-gather and reduce-scatter across blocks.
 #
-# Only blocks that keep their parameters after forward (reshard_after_forward=False) get a region:
-# AOTAutograd saves a region's tensor inputs that its backward needs, so a region would keep every
-# unsharded parameter alive until backward, which is what such a block does anyway but would undo
-# a resharding block's re-all-gather in backward (torch 2.13; measured by the saved values in
-# tests/test_compile_blocks.py). Resharding blocks are traced inline; per-block compile
-# (FSDPModule.compile) shares one graph between identical blocks in either case.
+# A resharding block (reshard_after_forward=True, the default) is a region too. The region's own
+# partition saves the unsharded parameters its backward needs by returning them (or views of them)
+# from its forward, which would keep every block's parameters alive until backward. The joint-graph
+# pass (passes/recompute.py, read_region_saved_inputs_directly) lets the region's backward read the
+# region's input instead (the view taken outside), so the outer partition sees the unshard chain
+# feed that backward and replays it there, re-all-gathering in backward as an inlined block does
+# (tests/test_compile_blocks.py checks what is saved and what is gathered again).
 _block_region = torch.compiler.nested_compile_region(_run_block_with)
 
 

@@ -167,13 +167,22 @@ class FSDPState:
     @property
     def compiles_as_region(self) -> bool:
         """Whether this module's forward is a nested compile region: a block with an enclosing
-        fully_shard module, no fully_shard module inside, one module in its group, and keeping its
-        parameters after forward (see [Note: compile once per block] in module.py)."""
+        fully_shard module, no fully_shard module inside and one module in its group (see
+        [Note: compile once per block] in module.py)."""
         # Plain flags set by fully_shard: read under Dynamo, they guard on values that are the same
         # for every block, never on a block's identity (per-block compile shares one graph).
         return (
             config.compile_blocks_once and self.has_group and self.has_outer and self.single_module and self.is_leaf
-            and not self.per_block_compiled and not self.reshards_after_forward
+            and not self.per_block_compiled
+        )
+
+    def hooks_stood_aside(self) -> bool:
+        """Whether this module's forward runs eagerly while its FSDP hooks were traced into a
+        compiled caller's graph, where they stand aside (see [Note: frames Dynamo runs eagerly] in
+        module.py): its model runs compiled and its pre-forward hook did not run eagerly."""
+        return (
+            self.training_state == TrainingState.IDLE and self.outermost().runs_compiled and self.has_group
+            and not self.per_block_compiled and not config.skip_fsdp_hooks and torch._C._current_graph_task_id() == -1
         )
 
     def settings_refused_when_compiled(self) -> list[str]:
@@ -204,6 +213,13 @@ class FSDPState:
             )
         if group.reduce_scatter_max_input_buffers != 1:
             refused.append(f"set_reduce_scatter_max_input_buffers: in the compiled graph the reorder pass places the reduce-scatters; {alternative}")
+        if any(p.tensor_parallel is not None and p.tensor_parallel.dp_dims for p in group.fsdp_params):
+            refused.append(
+                "dp_mesh_dims (parameters that are DTensors on the full mesh): the traced DTensor's backward would "
+                "all-reduce their gradients over the data-parallel dims before FSDP reduce-scatters them (gradients "
+                "2x per dp rank); put the parameters on the tensor-parallel mesh and pass fully_shard(mesh=mesh['dp']), "
+                f"which compiles, or {alternative}"
+            )
         if group.reduce_scatter_mesh_info is not group.mesh_info:
             refused.append(f"set_separate_reduce_scatter_group: the compiled graph reduce-scatters over the shard group; {alternative}")
         return refused

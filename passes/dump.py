@@ -2,8 +2,9 @@
 
 Not a rewrite: ``dump_graph(gm, kind, stage, config)`` writes ``<dir>/<n>-<kind>-<stage>.py`` (the
 readable graph) and ``<dir>/<n>-<kind>-<stage>.timeline.txt``, one line per collective or compute
-op in graph order (views and copies left out), with the collectives in flight just after it and
-their bytes, as the in-flight budget counts them (``graph.inflight_collectives``)::
+op in graph order (views and copies left out; a block's nested region lists its body's ops under
+the call's index), with the collectives in flight just after it and their bytes, as the in-flight
+budget counts them (``graph.inflight_collectives``)::
 
     12  issue  all_gather      layers.1        65536 B   in flight: layers.1 (65536 B)
     13  comp   mm                                         in flight: layers.1 (65536 B)
@@ -59,12 +60,15 @@ def collective_timeline(gm: fx.GraphModule) -> str:
     their bytes: the figures ``max_inflight_bytes`` bounds."""
     lines = []
     for index, (node, flying) in enumerate(inflight_collectives(gm.graph)):
-        event = _event(node, flying)
-        if event is None:
-            continue
         groups = ", ".join(_group(c) for c in flying)
         in_flight = f"{groups} ({sum(flying.values())} B)" if flying else "-"
-        lines.append(f"{index:5d}  {event}   in flight: {in_flight}")
+        if node.target is torch.ops.higher_order.invoke_subgraph:
+            # A block compiled once: its body's ops run here, under the same collectives in flight.
+            body = getattr(gm, node.args[0].target).graph
+            events = [event for inner in body.nodes if (event := _event(inner, {})) is not None]
+        else:
+            events = [event] if (event := _event(node, flying)) is not None else []
+        lines.extend(f"{index:5d}  {event}   in flight: {in_flight}" for event in events)
     return "\n".join(lines) + "\n"
 
 

@@ -8,15 +8,24 @@ full parameter and replays the all-gather in backward::
 
     before:  shard -> all_gather -> wait -> narrow -> mm        (full param saved for backward)
     after:   shard -> [all_gather -> wait -> narrow]^recompute -> mm   (shard saved)
+
+A block compiled as a nested region (see [Note: compile once per block] in module.py) takes its
+unsharded parameters as inputs; the region's own partition saves them by returning them from its
+forward. Those pass-through outputs are first replaced by the region's inputs, so the outer
+partition sees the unshard chain feed the region's backward and replays it there too.
 """
 from __future__ import annotations
 
+import operator
+from typing import Any
+
+import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from fsdp_compile.passes.graph import RESHARD_AFTER_FORWARD_KEY, fsdp_annotation, is_tangent, is_view
 
-__all__ = ["tag_reshard_after_forward_for_recompute"]
+__all__ = ["tag_reshard_after_forward_for_recompute", "read_region_saved_inputs_directly"]
 
 # One id for every tagged region: consecutive tagged nodes never force a save between them.
 _AC_GRAPH_ID = 1_000_000
@@ -33,8 +42,56 @@ def _backward_nodes(graph: fx.Graph) -> set[fx.Node]:
     return backward
 
 
+def _is_forward_region_call(node: fx.Node) -> bool:
+    return (
+        node.op == "call_function" and node.target is torch.ops.higher_order.invoke_subgraph
+        and isinstance(node.args[1], str) and "fw" in node.args[1]
+    )
+
+
+def _view_chain_of_input(value: Any) -> list[fx.Node] | None:
+    """``[placeholder, view, view, ...]`` when ``value`` is an input of its graph or views of it."""
+    chain: list[fx.Node] = []
+    while isinstance(value, fx.Node) and value.op != "placeholder":
+        if not is_view(value) or any(isinstance(a, fx.Node) for a in (*value.args[1:], *value.kwargs.values())):
+            return None
+        chain.append(value)
+        value = value.args[0]
+    return [value, *reversed(chain)] if isinstance(value, fx.Node) else None
+
+
+def read_region_saved_inputs_directly(graph: fx.Graph) -> int:
+    """Where a partitioned region's forward returns one of its inputs (or a view of it) for its
+    backward, let the backward read that input (a view of it taken outside) instead; returns how
+    many saved values were rerouted."""
+    owner = graph.owning_module
+    rerouted = 0
+    for call in list(graph.nodes):
+        if not _is_forward_region_call(call) or owner is None:
+            continue
+        body = getattr(owner, call.args[0].target, None)
+        if not isinstance(body, fx.GraphModule):
+            continue
+        placeholders = list(body.graph.find_nodes(op="placeholder"))
+        returned = body.graph.find_nodes(op="output")[0].args[0]
+        for user in list(call.users):
+            if user.target is not operator.getitem:
+                continue
+            chain = _view_chain_of_input(returned[user.args[1]])
+            if chain is None:
+                continue
+            outside = call.args[2 + placeholders.index(chain[0])]
+            with graph.inserting_before(call):
+                for view in chain[1:]:
+                    outside = graph.node_copy(view, lambda _: outside)
+            user.replace_all_uses_with(outside)
+            rerouted += 1
+    return rerouted
+
+
 def tag_reshard_after_forward_for_recompute(graph: fx.Graph) -> int:
     """Tag forward unshard chains of resharding groups ``MUST_RECOMPUTE``; returns how many nodes."""
+    read_region_saved_inputs_directly(graph)
     backward = _backward_nodes(graph)
     tagged: list[fx.Node] = []
     for node in graph.nodes:

@@ -11,16 +11,18 @@ their order (the "compute stream"); the pass only decides where two kinds of mov
   stay right behind the reduce-scatter's wait.
 
 [Note: the reorder schedule]
-With ``k = prefetch_depth`` and all-gathers numbered in graph order (forward: module order;
-backward: the re-gathers of recomputed groups, last block first)::
+With ``k = prefetch_depth`` and all-gathers numbered by group in graph order (forward: module order;
+backward: the re-gathers of recomputed groups, last block first; a quantized gather's data and
+scales are one group's two all-gathers and move together)::
 
     issue AG 0..k-1 right after the placeholders
     for each compute-stream node, in order:
         place the wait block of every collective it reads          (wait at first use)
         an AG whose wait must be placed but was never issued is issued right there (no overlap)
         after the wait block of AG j: issue AG j+1..j+k             (prefetch k groups ahead)
-        a reduce-scatter issues where bucket.py put it (after its group's last gradient);
-        once more than k reduce-scatters are in flight, the oldest is waited on  (late waits)
+        a reduction (reduce-scatter, or CommPolicy's all-to-all wire) issues where bucket.py put it
+        (after its group's last gradient); once more than k are in flight, the oldest is waited on
+                                                                    (late waits)
     the output node reads every remaining result: the last waits sit right before it
 
 so with ``k = 1`` group i+1's all-gather runs during group i's compute, and group i's
@@ -49,9 +51,13 @@ import torch.fx as fx
 
 from fsdp_compile.config import PassConfig
 from fsdp_compile.passes.graph import (
-    ALL_GATHER, ALL_REDUCE, COLLECTIVES, REDUCE_SCATTER, WAIT, collective_bytes, collective_nodes, fsdp_annotation, give_up,
-    single_wait,
+    ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COLLECTIVES, GROUP_KEY, REDUCE_SCATTER, WAIT, collective_bytes,
+    collective_nodes, fsdp_annotation, give_up, single_wait,
 )
+
+# The reductions of gradients: a reduce-scatter, or CommPolicy's low-precision wire (an all-to-all
+# whose received chunks each rank sums); both issue after their bucket's last gradient.
+_REDUCTIONS = (REDUCE_SCATTER, ALL_TO_ALL)
 
 __all__ = ["reorder_collectives"]
 
@@ -62,6 +68,7 @@ class _Collective:
     wait_block: list[fx.Node]
     issue_block: list[fx.Node] = field(default_factory=list)  # all-gathers only; else the stream issues it
     index: int = 0  # position among the all-gathers
+    unit: int = 0  # its group's position among the all-gathered groups (a quantized gather's data and scales share one)
     nbytes: int = 0
     issued: bool = False
     waited: bool = False
@@ -77,7 +84,7 @@ def _wait_block(collective: fx.Node, position: dict[fx.Node, int]) -> list[fx.No
     frontier = [wait]
     while frontier:
         for user in frontier.pop().users:
-            if user in block or user.op != "call_function" or user.target in (ALL_GATHER, REDUCE_SCATTER):
+            if user in block or user.op != "call_function" or user.target in (ALL_GATHER, *_REDUCTIONS):
                 continue
             if user.is_impure() and user.target not in (ALL_REDUCE, WAIT):
                 continue
@@ -104,11 +111,13 @@ def _issue_block(all_gather: fx.Node, position: dict[fx.Node, int]) -> list[fx.N
 
 
 def _collectives(graph: fx.Graph) -> list[_Collective] | None:
-    """The all-gathers and reduce-scatters to schedule, or None if one has an unexpected shape."""
+    """The all-gathers and reductions to schedule, or None if one has an unexpected shape."""
     found: list[_Collective] = []
     gathers = 0
+    units: dict[object, int] = {}
     position = {node: i for i, node in enumerate(graph.nodes)}
-    for node in sorted([*collective_nodes(graph, ALL_GATHER), *collective_nodes(graph, REDUCE_SCATTER)], key=position.__getitem__):
+    candidates = [*collective_nodes(graph, ALL_GATHER), *(n for target in _REDUCTIONS for n in collective_nodes(graph, target))]
+    for node in sorted(candidates, key=position.__getitem__):
         if fsdp_annotation(node) is None:
             continue  # not FSDP's (tensor parallelism's own): left where its code put it
         wait_block = _wait_block(node, position)
@@ -119,6 +128,9 @@ def _collectives(graph: fx.Graph) -> list[_Collective] | None:
             entry.issue_block = _issue_block(node, position)
             entry.index = gathers
             gathers += 1
+            annotation = fsdp_annotation(node)
+            unit_key = annotation.get(GROUP_KEY, node)
+            entry.unit = units.setdefault(unit_key, len(units))
         found.append(entry)
     return found
 
@@ -157,7 +169,7 @@ class _Scheduler:
         self.order: list[fx.Node] = []
         self.placed: set[fx.Node] = set()
         self.in_flight: list[_Collective] = []  # issue order
-        self.last_waited_gather = -1
+        self.last_waited_unit = -1
 
     def run(self) -> list[fx.Node]:
         for node in self.stream:
@@ -171,8 +183,8 @@ class _Scheduler:
             if collective is not None:
                 collective.issued = True
                 self.in_flight.append(collective)
-                while sum(c.node.target is REDUCE_SCATTER for c in self.in_flight) > self.depth:
-                    self._emit_wait(next(c for c in self.in_flight if c.node.target is REDUCE_SCATTER))
+                while sum(c.node.target in _REDUCTIONS for c in self.in_flight) > self.depth:
+                    self._emit_wait(next(c for c in self.in_flight if c.node.target in _REDUCTIONS))
             self._prefetch()
         return self.order
 
@@ -226,11 +238,13 @@ class _Scheduler:
         for node in collective.wait_block:
             self._place(node)
         if collective.node.target is ALL_GATHER:
-            self.last_waited_gather = max(self.last_waited_gather, collective.index)
+            self.last_waited_unit = max(self.last_waited_unit, collective.unit)
             self._prefetch()
 
     def _prefetch(self) -> None:
-        for collective in self.all_gathers[: self.last_waited_gather + 1 + self.depth]:
+        for collective in self.all_gathers:
+            if collective.unit > self.last_waited_unit + self.depth:
+                return
             if collective.issued:
                 continue
             ready = all(

@@ -1,9 +1,11 @@
 """Compile once per block: torchtitan's per-block recipe shares one graph between identical blocks
 at any depth, survives frames Dynamo runs eagerly, and does not recompile in steady state; the
-whole-model form compiles a non-resharding block's body once (a nested compile region)."""
+whole-model form compiles a block's body once (a nested compile region) and, for a resharding
+block, gathers its parameters again in backward instead of saving them."""
 from __future__ import annotations
 
 import copy
+import operator
 
 import pytest
 import torch
@@ -11,7 +13,9 @@ import torch.distributed as dist
 
 from fsdp_compile import MixedPrecisionPolicy, fully_shard
 from fsdp_compile.backend import observe_graphs
+from fsdp_compile.passes.graph import ALL_GATHER, GROUP_KEY, fsdp_annotation
 from fsdp_compile.models import Transformer, TransformerConfig, next_token_loss
+from test_compile_graphs import _saved_all_gather_outputs
 
 DEEP = TransformerConfig(vocab_size=32, dim=16, n_layers=12, n_heads=2, max_seq_len=16)
 SHALLOW = TransformerConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, max_seq_len=16)
@@ -139,16 +143,32 @@ def test_steady_state_training_eval_switch_and_new_shapes_recompile_at_most_once
     assert graphs[8] - graphs[7] <= 1 and graphs[9] == graphs[8], "one recompile for a new sequence length, then dynamic"
 
 
-# --- whole model: a nested compile region per non-resharding block ----------------------------------
+# --- whole model: a nested compile region per block ----------------------------------
 
 
-def _whole_model_regions(layers: int, backend: str):
+def _region_inputs_saved(forward) -> int:
+    """Saved-for-backward values of ``forward`` that are a region's input (or a view of it) passed
+    through the region: an unsharded parameter kept alive until backward."""
+    invoke = torch.ops.higher_order.invoke_subgraph
+    passed_through = 0
+    for value in next(n for n in forward.graph.nodes if n.op == "output").args[0][1:]:
+        if not (isinstance(value, torch.fx.Node) and value.target is operator.getitem and value.args[0].target is invoke):
+            continue
+        body = getattr(forward, value.args[0].args[0].target)
+        returned = next(n for n in body.graph.nodes if n.op == "output").args[0][value.args[1]]
+        while returned.op == "call_function" and isinstance(returned.target, torch._ops.OpOverload) and returned.target.is_view:
+            returned = returned.args[0]
+        passed_through += returned.op == "placeholder"
+    return passed_through
+
+
+def _whole_model_regions(layers: int, backend: str, reshard_blocks: bool):
     torch._dynamo.reset()
     torch.manual_seed(0)
     config = TransformerConfig(vocab_size=32, dim=16, n_layers=layers, n_heads=2, max_seq_len=16)
     reference = Transformer(config)
-    eager = _shard(copy.deepcopy(reference), MixedPrecisionPolicy(), reshard_blocks=False)
-    compiled = _shard(copy.deepcopy(reference), MixedPrecisionPolicy(), reshard_blocks=False)
+    eager = _shard(copy.deepcopy(reference), MixedPrecisionPolicy(), reshard_blocks=reshard_blocks)
+    compiled = _shard(copy.deepcopy(reference), MixedPrecisionPolicy(), reshard_blocks=reshard_blocks)
     with observe_graphs() as graphs:
         runner = torch.compile(compiled, backend=backend)
         optimizer = torch.optim.SGD(compiled.parameters(), lr=0.1)
@@ -169,7 +189,13 @@ def _whole_model_regions(layers: int, backend: str):
     # Prefetch across blocks: the all-gather feeding block i+1's region runs before block i's region.
     order = [n for n in forward.graph.nodes if n.op == "call_function" and (n.target is invoke or "all_gather_into_tensor" in str(n.target))]
     first_region = next(i for i, n in enumerate(order) if n.target is invoke)
+    backward = next(g for kind, g in graphs if kind == "backward" and any(n.target is invoke for n in g.graph.nodes))
     return {
+        "region_inputs_saved": _region_inputs_saved(forward),
+        "saved_gathered_groups": _saved_all_gather_outputs(forward),
+        "regathered_groups": sorted(
+            fsdp_annotation(n)[GROUP_KEY] for n in backward.graph.nodes if n.target is ALL_GATHER and fsdp_annotation(n)
+        ),
         "region_calls": len(calls),
         "distinct_bodies": len(bodies),
         "all_gathers_before_first_region": sum("all_gather" in str(n.target) for n in order[:first_region]),
@@ -179,23 +205,87 @@ def _whole_model_regions(layers: int, backend: str):
     }
 
 
-@pytest.mark.parametrize("layers", [2, 12])
-def test_whole_model_compiles_a_non_resharding_block_body_once(dist, layers):
-    result = dist.run(2, _whole_model_regions, layers, "fsdp_aot_eager")[0]
+@pytest.mark.parametrize("layers,reshard_blocks", [(2, False), (12, True)])
+def test_whole_model_compiles_a_block_body_once(dist, layers, reshard_blocks):
+    result = dist.run(2, _whole_model_regions, layers, "fsdp_aot_eager", reshard_blocks)[0]
     assert result["region_calls"] == layers
     # One body for all blocks; the first block's input carries no gradient, so its backward may
     # be partitioned apart (a second body), never one per block.
     assert result["distinct_bodies"] <= 2, result
     # Bucketed per group: the root's, block 0's and block 1's all-gathers go out before block 0 runs.
     assert result["all_gathers_before_first_region"] == 3, result
+    if reshard_blocks:
+        # Nothing unsharded is kept for backward: every block is all-gathered again there.
+        assert result["region_inputs_saved"] == 0, result
+        assert result["regathered_groups"] == sorted(f"layers.{i}" for i in range(layers)), result
+    else:  # kept after forward: saved (the outer all-gather's output), not gathered again
+        assert result["regathered_groups"] == [] and "layers.0" in result["saved_gathered_groups"], result
     for eager, compiled in zip(result["eager_losses"], result["compiled_losses"]):
         assert abs(eager - compiled) <= 1e-5 * abs(eager), result
     assert result["param_gap"] < 1e-5
 
 
 def test_whole_model_regions_under_inductor_match_eager(dist):
-    result = dist.run(2, _whole_model_regions, 2, "fsdp_inductor")[0]
+    result = dist.run(2, _whole_model_regions, 2, "fsdp_inductor", True)[0]
     assert result["region_calls"] == 2 and result["distinct_bodies"] <= 2
+    assert result["region_inputs_saved"] == 0 and result["regathered_groups"] == ["layers.0", "layers.1"], result
     for eager, compiled in zip(result["eager_losses"], result["compiled_losses"]):
         assert abs(eager - compiled) <= 1e-5 * abs(eager), result
     assert result["param_gap"] < 1e-5
+
+
+# --- whole model: frames Dynamo runs eagerly -------------------------------------------------------
+
+
+def _whole_model_with_eager_frames(case: str):
+    import warnings
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    reference = Transformer(TransformerConfig(vocab_size=32, dim=16, n_layers=3, n_heads=2, max_seq_len=16))
+    eager, compiled = _shard(copy.deepcopy(reference), MixedPrecisionPolicy()), _shard(copy.deepcopy(reference), MixedPrecisionPolicy())
+    if case == "one_block_disabled":
+        compiled.layers[1].forward = torch.compiler.disable(compiled.layers[1].forward)
+    previous_limit = torch._dynamo.config.recompile_limit
+    if case == "recompile_limit_1":
+        torch._dynamo.config.recompile_limit = 1  # the second sequence length runs the model eagerly
+    runner = torch.compile(compiled, backend="fsdp_aot_eager", dynamic=False)
+
+    def train(model) -> list[float]:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for step, seq in enumerate([12, 12, 8, 6, 12]):
+            tokens = _tokens(2, seq, seed=100 * step + dist.get_rank())
+            loss = next_token_loss(model(tokens), tokens)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            compiled_losses = train(runner)
+    finally:
+        torch._dynamo.config.recompile_limit = previous_limit
+    return {
+        "eager_losses": train(eager),
+        "compiled_losses": compiled_losses,
+        "param_gap": _param_gap(eager, compiled),
+        "warnings": sorted({str(w.message)[:60] for w in caught if "ran eagerly inside a compiled model" in str(w.message)}),
+    }
+
+
+@pytest.mark.parametrize("case", ["one_block_disabled", "recompile_limit_1"])
+def test_whole_model_frames_run_eagerly_get_the_eager_hooks_and_train_like_eager(dist, case):
+    result = dist.run(2, _whole_model_with_eager_frames, case)[0]
+    for eager, compiled in zip(result["eager_losses"], result["compiled_losses"]):
+        assert abs(eager - compiled) <= 1e-5 * abs(eager), result
+    assert result["param_gap"] < 1e-5, result
+    if case == "one_block_disabled":  # the block's hooks stood aside in the graph: named, once
+        # (Dynamo may run the rest of the loop over blocks eagerly too; each such block is named.)
+        assert "fsdp_compile: the forward of 'layers.1' ran eagerly inside a" in result["warnings"], result
+        assert "fsdp_compile: the forward of 'layers.0' ran eagerly inside a" not in result["warnings"], result
+    else:  # the whole frame ran eagerly, hooks included: nothing stood aside
+        assert result["warnings"] == [], result

@@ -111,3 +111,22 @@ def test_collective_fingerprint_sees_collectives_only():
     assert collective_fingerprint(_graph("ag", "rs")) != collective_fingerprint(_graph("rs", "ag"))
     # Collectives inside subgraphs (an autograd function's backward body) count too.
     assert collective_fingerprint(_graph("ag", sub=_graph("rs"))) != collective_fingerprint(_graph("ag"))
+
+
+@pytest.mark.parametrize("fake_world", [8], indirect=True)
+def test_inductor_cache_keys_a_device_mesh_by_what_identifies_it(fake_world):
+    """[Note: warm start across processes]: two mesh objects over the same ranks, names and groups
+    (a restarted process builds new ones) key a graph alike; another mesh does not."""
+    from torch._inductor.codecache import FxGraphCachePickler
+    from torch._library.fake_class_registry import FakeScriptObject
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    def key(mesh):
+        return FxGraphCachePickler(None).get_key([FakeScriptObject(None, "DeviceMesh", mesh)])
+
+    built = init_device_mesh("cpu", (fake_world,), mesh_dim_names=("dp",))
+    again = DeviceMesh("cpu", list(range(fake_world)), mesh_dim_names=("dp",), _init_backend=False)
+    again._dim_group_names = list(built._dim_group_names)
+    renamed = init_device_mesh("cpu", (fake_world,), mesh_dim_names=("fsdp",))
+    assert again is not built and key(again) == key(built)
+    assert key(renamed) != key(built)

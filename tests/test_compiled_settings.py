@@ -5,13 +5,16 @@ from __future__ import annotations
 import inspect
 import re
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from benchmarks.measure import count_collectives
-from fsdp_compile import CPUOffloadPolicy, FSDPModule, fully_shard
+import fsdp_compile
+from fsdp_compile import BackwardPrefetch, CommPolicy, CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from fsdp_compile.models import next_token_loss
 from fsdp_testing import UNEVEN, build_reference, global_batches, local_part, shard_model, sharded_copy
 
@@ -179,3 +182,249 @@ def test_readme_settings_table_has_a_row_for_every_public_setting():
     rows = _settings_table_rows()
     missing = (public_methods | arguments) - rows
     assert not missing, f"README settings table lacks rows for {sorted(missing)}"
+
+
+# --- every setting: collectives per step, eager and compiled ---------------------------------------
+# [Note: the settings table is a test]
+# One case per row of the README's settings table (a row without a case, or a case without a row,
+# fails): the same two training steps run eagerly and compiled (fsdp_aot_eager: fsdp_inductor's
+# tracing, checks and passes without code generation; per-block compile for the `compile` row),
+# collectives counted per step with the profiler. "honoured": the compiled steps issue the same
+# collectives as the eager ones, with the same losses; "refused": the compiled step raises an
+# error naming the setting (the NCCL-only settings refuse eagerly too); "eager only": explicit
+# unshard/reshard around a step, whose compiled forward gathers its own copy (same losses).
+
+
+class _Net(torch.nn.Module):
+    """Two blocks between the root's input layer and head: three groups on any world size, and every
+    block's weight needed in backward (its input carries a gradient), as in a transformer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(8, 8)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x).relu()
+        return self.head(x)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward(x)
+
+
+def _hsdp_mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return {"mesh": init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))}
+
+
+def _shard_net(block_kwargs: dict | None = None, root_kwargs: dict | None = None) -> _Net:
+    torch.manual_seed(0)
+    model = _Net()
+    for block in model.blocks:
+        fully_shard(block, **(block_kwargs or {}))
+    fully_shard(model, **(root_kwargs if root_kwargs is not None else block_kwargs or {}))
+    return model
+
+
+def _tensor_parallel_net() -> torch.nn.Module:
+    from test_tensor_parallel import SpmdModel
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from fsdp_compile import DataParallelMeshDims
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = SpmdModel()
+    for layer in model.layers:
+        for linear, tp_dim in ((layer.up, 0), (layer.down, 1)):
+            linear.weight = torch.nn.Parameter(distribute_tensor(linear.weight.detach(), mesh, [Replicate(), Shard(tp_dim)]))
+        fully_shard(layer, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
+    fully_shard(model, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
+    model.loss_mesh = mesh
+    return model
+
+
+def _each_block(method: str, *args) -> Callable:
+    return lambda model: [getattr(block, method)(*args) for block in model.blocks]
+
+
+def _shard_dim1(param):
+    from torch.distributed.tensor import Shard
+
+    return Shard(1) if param.ndim == 2 else None
+
+
+_SETTING_CASES: dict[str, dict] = {
+    "mesh": dict(world=4, build=lambda: _shard_net(_hsdp_mesh())),
+    "reshard_after_forward": dict(build=lambda: _shard_net({"reshard_after_forward": False})),
+    "shard_placement_fn": dict(build=lambda: _shard_net({"shard_placement_fn": _shard_dim1})),
+    "mp_policy": dict(build=lambda: _shard_net({"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)}), tolerance=1e-2),
+    "offload_policy": dict(build=lambda: _shard_net({"offload_policy": CPUOffloadPolicy(pin_memory=False)}), verdict="refused", named="CPUOffloadPolicy"),
+    "ignored_params": dict(build=lambda: _shard_net_ignoring_a_bias()),
+    "comm_policy": dict(build=lambda: _shard_net({"comm_policy": CommPolicy(reduce_wire_dtype=torch.bfloat16)})),
+    "dp_mesh_dims": dict(world=4, build=_tensor_parallel_net, verdict="refused", named="dp_mesh_dims"),
+    "set_requires_gradient_sync": dict(each_step=lambda model, step: model.set_requires_gradient_sync(step == 1)),
+    "set_requires_all_reduce": dict(world=4, build=lambda: _shard_net(_hsdp_mesh()), each_step=lambda model, step: model.set_requires_all_reduce(step == 1)),
+    "set_reshard_after_forward": dict(configure=lambda model: model.set_reshard_after_forward(False)),
+    "set_reshard_after_backward": dict(configure=lambda model: model.set_reshard_after_backward(False), verdict="refused", named="set_reshard_after_backward"),
+    "set_gradient_divide_factor": dict(configure=lambda model: model.set_gradient_divide_factor(3.0)),
+    "set_reduce_scatter_divide_factor": dict(configure=lambda model: model.set_reduce_scatter_divide_factor(3.0)),
+    "set_unshard_in_backward": dict(build=lambda: _shard_net_with_embed_group(), configure=lambda model: model.embed.set_unshard_in_backward(False)),
+    "set_force_sum_reduction_for_comms": dict(configure=_each_block("set_force_sum_reduction_for_comms", True)),
+    "set_symm_mem_for_comm": dict(configure=lambda model: model.set_symm_mem_for_comm(), verdict="refused everywhere", named="set_symm_mem_for_comm"),
+    "set_allocate_memory_from_process_group_for_comm": dict(
+        configure=lambda model: model.set_allocate_memory_from_process_group_for_comm(True), verdict="refused everywhere",
+        named="set_allocate_memory_from_process_group_for_comm",
+    ),
+    "set_all_reduce_hook": dict(configure=_each_block("set_all_reduce_hook", lambda reduced: None), verdict="refused", named="set_all_reduce_hook"),
+    "set_custom_all_gather": dict(configure=lambda model: _each_block("set_custom_all_gather", _PlainAllGather())(model), verdict="refused", named="set_custom_all_gather"),
+    "set_custom_reduce_scatter": dict(
+        configure=lambda model: _each_block("set_custom_reduce_scatter", _PlainReduceScatter())(model), verdict="refused", named="set_custom_reduce_scatter",
+    ),
+    "set_reduce_scatter_unused_params": dict(configure=lambda model: model.set_reduce_scatter_unused_params(True), verdict="refused", named="set_reduce_scatter_unused_params"),
+    "set_reduce_scatter_max_input_buffers": dict(configure=lambda model: model.set_reduce_scatter_max_input_buffers(2), verdict="refused", named="set_reduce_scatter_max_input_buffers"),
+    "set_separate_reduce_scatter_group": dict(configure=lambda model: model.set_separate_reduce_scatter_group(), verdict="refused", named="set_separate_reduce_scatter_group"),
+    "reset_iter_state": dict(each_step=lambda model, step: model.reset_iter_state()),
+    "share_comm_ctx": dict(configure=lambda model: fsdp_compile.share_comm_ctx([model])),
+    "register_fsdp_forward_method": dict(configure=lambda model: fsdp_compile.register_fsdp_forward_method(model, "encode"), method="encode"),
+    # Two micro-batches, one optimizer step: the first backward's reductions land at the next forward.
+    "set_is_last_backward": dict(each_step=lambda model, step: model.set_is_last_backward(step == 1), optimizer_steps=(1,)),
+    "set_modules_to_forward_prefetch": dict(configure=lambda model: model.blocks[0].set_modules_to_forward_prefetch([model.blocks[1]])),
+    "set_modules_to_backward_prefetch": dict(configure=lambda model: model.blocks[1].set_modules_to_backward_prefetch([model.blocks[0]])),
+    "set_backward_prefetch": dict(configure=lambda model: model.set_backward_prefetch(BackwardPrefetch.BACKWARD_POST)),
+    "set_post_optim_event": dict(each_step=lambda model, step: model.set_post_optim_event(torch.Event())),
+    "unshard": dict(each_step=lambda model, step: model.blocks[0].unshard(), verdict="eager only"),
+    "reshard": dict(each_step=lambda model, step: (model.blocks[0].unshard(), model.blocks[0].reshard()), verdict="eager only"),
+    "compile": dict(per_block=True),
+}
+
+
+def _shard_net_with_embed_group() -> _Net:
+    """The input layer a group of its own: its input carries no gradient, so backward needs none of
+    its parameters (an embedding's case for set_unshard_in_backward(False))."""
+    torch.manual_seed(0)
+    model = _Net()
+    for module in (model.embed, *model.blocks):
+        fully_shard(module)
+    fully_shard(model)
+    return model
+
+
+def _shard_net_ignoring_a_bias() -> _Net:
+    torch.manual_seed(0)
+    model = _Net()
+    ignored = {model.blocks[0].bias}
+    for block in model.blocks:
+        fully_shard(block, ignored_params=ignored)
+    fully_shard(model, ignored_params=ignored)
+    return model
+
+
+class _PlainAllGather:
+    """An FSDP2 ``AllGather`` doing what the default does."""
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output, input, group, async_op=False):
+        return torch.distributed.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+
+
+def _loss(model, runner, method: str, generator: torch.Generator) -> torch.Tensor:
+    mesh = getattr(model, "loss_mesh", None)
+    if mesh is not None:  # the tensor-parallel model: DTensor activations (test_tensor_parallel.py)
+        from test_tensor_parallel import DIM, _spmd_loss
+
+        x, target = torch.randn(8, DIM, generator=generator), torch.randn(8, DIM, generator=generator)
+        return _spmd_loss(runner, x, target, mesh)
+    x = torch.randn(4, 8, generator=generator)
+    return (runner(x) if method == "forward" else getattr(runner, method)(x)).square().mean()
+
+
+def _setting_steps(name: str, mode: str) -> dict:
+    """Two training steps of the case's model, eager or compiled: collectives and loss per step, or the error."""
+    case = _SETTING_CASES[name]
+    torch._dynamo.reset()
+    model = case.get("build", _shard_net)()
+    result: dict = {"collectives": [], "losses": []}
+    try:
+        case.get("configure", lambda model: None)(model)
+        method = case.get("method", "forward")
+        runner = model
+        if mode == "compiled" and case.get("per_block"):
+            for block in model.blocks:
+                block.compile(backend="fsdp_aot_eager")
+        elif mode == "compiled" and method != "forward":
+            runner = type("Compiled", (), {method: staticmethod(torch.compile(getattr(model, method), backend="fsdp_aot_eager"))})()
+        elif mode == "compiled":
+            runner = torch.compile(model, backend="fsdp_aot_eager")
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        generator = torch.Generator().manual_seed(10 + dist.get_rank())
+        for step in range(2):
+            case.get("each_step", lambda model, step: None)(model, step)
+            with count_collectives() as counts:
+                loss = _loss(model, runner, method, generator)
+                loss.backward()
+            if step in case.get("optimizer_steps", (0, 1)):
+                optimizer.step()
+                optimizer.zero_grad()
+            result["collectives"].append({kind: n for kind, n in sorted(counts.items()) if n})
+            result["losses"].append(loss.item())
+        # Where the steps took the parameters (plain lists: what the pool's queue carries back); a
+        # setting may leave some unsharded (reshard_after_backward, unshard): shard them back first.
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        result["params"] = [
+            (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().flatten().tolist() for p in model.parameters()
+        ]
+    except Exception as error:  # noqa: BLE001 - the message is the result
+        result["error"] = f"{type(error).__name__}: {error}"
+    return result
+
+
+def _setting_case(name: str) -> dict:
+    return {mode: _setting_steps(name, mode) for mode in ("eager", "compiled")}
+
+
+def _settings_table_cells() -> dict[str, str]:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = readme.split("<!-- settings-table -->")[1]
+    return {name: compiled for name, compiled in re.findall(r"^\| `([a-z_]+)` \|.*\| (.*) \|$", table, flags=re.MULTILINE)}
+
+
+def test_every_row_of_the_settings_table_has_a_case_and_every_case_a_row():
+    assert set(_SETTING_CASES) == set(_settings_table_cells())
+
+
+@pytest.mark.parametrize("name", list(_SETTING_CASES))
+def test_each_setting_changes_compiled_collectives_as_eager_or_is_refused(dist, name):
+    case = _SETTING_CASES[name]
+    verdict = case.get("verdict", "honoured")
+    result = dist.run(case.get("world", 2), _setting_case, name)[0]
+    eager, compiled = result["eager"], result["compiled"]
+    cell = _settings_table_cells()[name]
+    if verdict == "refused everywhere":
+        assert case["named"] in eager.get("error", "") and case["named"] in compiled.get("error", ""), result
+        assert "refused" in cell, cell
+        return
+    assert "error" not in eager, eager
+    if verdict == "refused":
+        assert case["named"] in compiled.get("error", "") and "fsdp_inductor" in compiled["error"], result
+        assert "refused" in cell, cell
+        return
+    assert "error" not in compiled, compiled
+    assert "refused" not in cell or name == "reshard_after_forward", cell  # that row refuses only an int
+    if verdict == "honoured":  # "eager only" / "same numerics": the losses below
+        assert compiled["collectives"] == eager["collectives"], result
+        assert eager["collectives"][0], result  # counted, not vacuously equal
+    tolerance = case.get("tolerance", 1e-5)
+    for a, b in zip(eager["losses"], compiled["losses"]):
+        assert abs(a - b) <= tolerance * max(1.0, abs(a)), result
+    for a, b in zip(eager["params"], compiled["params"]):
+        assert max(abs(x - y) for x, y in zip(a, b)) <= tolerance * max(1.0, *map(abs, a)), name

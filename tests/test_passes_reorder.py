@@ -35,8 +35,16 @@ def _events(graph: fx.Graph) -> list[str]:
     return [event for event in map(_event, graph.nodes) if event is not None]
 
 
+def _matmuls(graph: fx.Graph, node: fx.Node) -> int:
+    """mm nodes ``node`` runs: itself, or the body of a block's nested region it calls."""
+    if node.target is torch.ops.higher_order.invoke_subgraph:
+        body = getattr(graph.owning_module, node.args[0].target).graph
+        return sum(_matmuls(body, inner) for inner in body.nodes)
+    return int(node.target is torch.ops.aten.mm.default)
+
+
 def _matmuls_between(graph: fx.Graph, first: str, second: str) -> int:
-    """How many mm nodes run between two events of ``_events``."""
+    """How many mm nodes run between two events of ``_events`` (inside block regions too)."""
     inside, count = False, 0
     for node in graph.nodes:
         event = _event(node)
@@ -44,8 +52,8 @@ def _matmuls_between(graph: fx.Graph, first: str, second: str) -> int:
             inside = True
         elif event == second:
             return count
-        elif inside and node.target is torch.ops.aten.mm.default:
-            count += 1
+        elif inside:
+            count += _matmuls(graph, node)
     raise AssertionError(f"{first!r} then {second!r} not found")
 
 
@@ -77,7 +85,7 @@ def test_backward_prefetches_regathers_and_waits_on_reduce_scatters_late(fake_wo
     assert _matmuls_between(backward.graph, "issue RS layers.1", "wait RS layers.1") > 0  # layers.0 backward
     last_wait = [n for n in backward.graph.nodes if n.target is WAIT][-1]
     between = list(backward.graph.nodes)[list(backward.graph.nodes).index(last_wait):]
-    assert not any(n.target is torch.ops.aten.mm.default for n in between)
+    assert not any(_matmuls(backward.graph, n) for n in between)
     assert pass_counters["bucket.gave_up"] == pass_counters["reorder.gave_up"] == 0
 
 
@@ -211,8 +219,18 @@ def test_inductor_keeps_the_prefetch_order():
     finally:
         torch._dynamo.reset()
         dist.destroy_process_group()
-    calls = re.findall(r"_c10d_functional\.(all_gather_into_tensor|wait_tensor)\.default\(|extern_kernels\.(mm)\(", forward_code)
-    sequence = [gather or mm for gather, mm in calls]
+    # A block compiled once is a function of its own (``def partitioned_fw_subgraph_0_0(args):``),
+    # called from ``call``: a call stands for the matmuls of its body.
+    bodies = dict(re.findall(r"\ndef (\w+)\(args\):\n(.*?)(?=\n(?:def|class) )", forward_code, re.S))
+    body_matmuls = {name: body.count("extern_kernels.mm(") for name, body in bodies.items()}
+    main = forward_code[forward_code.index("    def call(self, args):"):]
+    names = "|".join(map(re.escape, body_matmuls)) or "(?!)"
+    calls = re.findall(
+        rf"_c10d_functional\.(all_gather_into_tensor|wait_tensor)\.default\(|extern_kernels\.(mm)\(|= ({names})\(", main
+    )
+    sequence = [
+        item for gather, mm, region in calls for item in ([gather or mm] if not region else ["mm"] * body_matmuls[region])
+    ]
     gathers = [i for i, call in enumerate(sequence) if call == "all_gather_into_tensor"]
     waits = [i for i, call in enumerate(sequence) if call == "wait_tensor"]
     assert len(gathers) == 3 and len(waits) == 3
@@ -297,9 +315,8 @@ def test_backends_with_different_passes_never_share_graphs():
             for layer in model.layers:
                 fsdp_compile.fully_shard(layer)
             fsdp_compile.fully_shard(model)
-            # Forward only: one Inductor compile each. Caches off: a cache hit (the same graph compiled
-            # earlier in the suite) skips the passes, and with them the graph observer.
-            with torch.no_grad(), _no_compile_caches(), observe_graphs() as graphs:
+            # Forward only: one Inductor compile each (observe_graphs turns the compile caches off).
+            with torch.no_grad(), observe_graphs() as graphs:
                 torch.compile(model, backend=fsdp_inductor_with(passes))(torch.randint(0, CONFIG.vocab_size, (2, 8)))
             forward = max((g for kind, g in graphs if kind == "forward"), key=lambda g: len(g.graph.nodes))
             gathers.append(len(collective_nodes(forward.graph, ALL_GATHER)))
@@ -307,15 +324,3 @@ def test_backends_with_different_passes_never_share_graphs():
         torch._dynamo.reset()
         dist.destroy_process_group()
     assert gathers[0] > gathers[1] == 3  # per parameter, then one per group
-
-
-def _no_compile_caches():
-    import contextlib
-
-    import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
-
-    stack = contextlib.ExitStack()
-    stack.enter_context(inductor_config.patch(fx_graph_cache=False, fx_graph_remote_cache=False))
-    stack.enter_context(functorch_config.patch(enable_autograd_cache=False))
-    return stack

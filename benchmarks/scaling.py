@@ -1,0 +1,120 @@
+"""``python -m benchmarks --compile-scaling``: compile seconds and step time against depth.
+
+For each layer count the benchmark runs twice, each time in fresh processes: *cold*, with an
+empty Inductor cache per rank, then *warm*, with the cache the cold run filled (Dynamo and
+AOTAutograd start from nothing again, as after a restart). Compile seconds are the warm-up
+steps' excess over the median step (``compile_cold_s`` of the run's results.json); step ms is
+the cold run's median.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from typing import Any
+
+from benchmarks.config import BenchConfig
+from benchmarks.launch import launch
+from benchmarks.report import write_results_md
+from benchmarks.run import worker
+
+__all__ = ["run_compile_scaling", "scaling_table"]
+
+PHASES = ("cold", "warm")
+
+
+def _one_run(cfg: BenchConfig, layers: int, phase: str, cache_dir: str, device_type: str) -> dict[str, Any]:
+    out_dir = os.path.join(cfg.out_dir, f"scaling-{layers}-layers-{phase}")
+    run = dataclasses.replace(
+        cfg, layers=layers, warm_compile=False, inductor_cache_dir=cache_dir, out_dir=out_dir, results_md=None,
+        compile_scaling=None, command=f"{cfg.command} [{layers} layers, {phase}]",
+    )
+    launch(worker, cfg.world_size, device_type, run)
+    with open(os.path.join(out_dir, "results.json")) as results:
+        return json.load(results)
+
+
+def _figure(run: dict, mode: str, key: str) -> float | None:
+    figures = run["modes"].get(mode, {})
+    return figures.get(key) if figures.get("status") == "ok" else None
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def scaling_table(modes: tuple[str, ...], runs: dict[int, dict[str, dict]]) -> str:
+    """Markdown: one row per (layers, mode) with cold / warm compile seconds and step ms."""
+    lines = ["| layers | mode | compile cold s | compile warm s (2nd process) | step ms (median) |", "|---|---|---|---|---|"]
+    for layers, by_phase in runs.items():
+        for mode in modes:
+            cold, warm = by_phase["cold"], by_phase["warm"]
+            status = cold["modes"].get(mode, {}).get("status", "not run")
+            if status != "ok":
+                lines.append(f"| {layers} | {mode} | {status} | | |")
+                continue
+            lines.append(
+                f"| {layers} | {mode} | {_fmt(_figure(cold, mode, 'compile_cold_s'), '.1f')} "
+                f"| {_fmt(_figure(warm, mode, 'compile_cold_s'), '.1f')} | {_fmt(_figure(cold, mode, 'step_ms_median'), '.0f')} |"
+            )
+    return "\n".join(lines)
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> str:
+    return "—" if numerator is None or not denominator else f"{numerator / denominator:.2f}x"
+
+
+def _target_lines(runs: dict[int, dict[str, dict]]) -> list[str]:
+    """Issue 17's targets, each with the figures it compares (where this run has them)."""
+    lines = []
+    cold = {layers: by_phase["cold"] for layers, by_phase in runs.items()}
+    if 16 in cold:
+        torch_cold = _figure(cold[16], "torch-blockcompile", "compile_cold_s")
+        for mode in ("ours-compiled", "ours-blockcompile"):
+            lines.append(f"- cold compile at 16 layers, {mode} / torch-blockcompile: "
+                         f"{_ratio(_figure(cold[16], mode, 'compile_cold_s'), torch_cold)} (target <= 1.5x)")
+            lines.append(f"- step time at 16 layers, {mode} / torch-blockcompile: "
+                         f"{_ratio(_figure(cold[16], mode, 'step_ms_median'), _figure(cold[16], 'torch-blockcompile', 'step_ms_median'))} "
+                         "(target <= 1.0x)")
+    if 32 in cold and 2 in cold:
+        for mode in ("ours-compiled", "ours-blockcompile"):
+            lines.append(f"- cold compile of {mode}, 32 layers / 2 layers: "
+                         f"{_ratio(_figure(cold[32], mode, 'compile_cold_s'), _figure(cold[2], mode, 'compile_cold_s'))} (target <= 1.3x)")
+    return lines
+
+
+def run_compile_scaling(cfg: BenchConfig, device_type: str) -> None:
+    """Run every layer count of ``cfg.compile_scaling`` cold then warm; print (and write) the table."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        raise SystemExit("--compile-scaling starts its own ranks for every run: run it without torchrun")
+    runs: dict[int, dict[str, dict]] = {}
+    for layers in cfg.compile_scaling or ():
+        cache_dir = tempfile.mkdtemp(prefix=f"fsdp_bench_scaling_{layers}_")
+        try:
+            runs[layers] = {phase: _one_run(cfg, layers, phase, cache_dir, device_type) for phase in PHASES}
+        finally:
+            shutil.rmtree(cache_dir, ignore_errors=True)
+        print(f"\n{scaling_table(cfg.modes, {layers: runs[layers]})}\n", flush=True)
+    meta = next(iter(runs.values()))["cold"]["meta"]
+    table = scaling_table(cfg.modes, runs)
+    targets = _target_lines(runs)
+    key = f"{meta['section_key']}-compile-scaling"
+    section = (
+        f"<!-- benchmark section: {key} -->\n"
+        f"## {meta['machine']}, world size {meta['world_size']}, compile time against depth\n\n"
+        f"Command: `{cfg.command}`  \n"
+        f"torch {meta['torch']}, Python {meta['python']}, {meta['date'][:10]}, commit {meta['commit']}.  \n"
+        f"Model: dim {cfg.dim}, {cfg.heads} heads, vocab {cfg.vocab}, seq {cfg.seq}, batch {cfg.batch} per rank, "
+        f"{'bf16 params / fp32 reduce' if cfg.bf16 else 'fp32'}, {cfg.warmup} warm-up + {cfg.steps} measured steps.\n\n"
+        f"{table}\n\n" + ("\n".join(targets) + "\n\n" if targets else "") + (__doc__ or "").split("\n\n", 1)[1].strip() + "\n"
+        f"<!-- end benchmark section: {key} -->\n"
+    )
+    print(table)
+    print("\n".join(targets))
+    with open(os.path.join(cfg.out_dir, "compile_scaling.md"), "w") as out:
+        out.write(section)
+    if cfg.results_md:
+        write_results_md(cfg.results_md, section, key)
+        print(f"wrote the section in {cfg.results_md}")
