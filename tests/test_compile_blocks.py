@@ -34,11 +34,12 @@ def _shard(model: Transformer, policy: MixedPrecisionPolicy, reshard_blocks: boo
     return model
 
 
-def _train(model, steps: int, seed: int = 0) -> list[float]:
+def _train(model, steps: int, seed: int = 0, seqs: tuple[int, ...] | None = None) -> list[float]:
+    """``steps`` SGD steps (``seqs``: one step per sequence length instead)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
-    for step in range(steps):
-        tokens = _tokens(2, 12, seed=100 * step + dist.get_rank() + seed)
+    for step, seq in enumerate(seqs or [12] * steps):
+        tokens = _tokens(2, seq, seed=100 * step + dist.get_rank() + seed)
         loss = next_token_loss(model(tokens), tokens)
         loss.backward()
         optimizer.step()
@@ -250,27 +251,16 @@ def _whole_model_with_eager_frames(case: str):
     if case == "recompile_limit_1":
         torch._dynamo.config.recompile_limit = 1  # the second sequence length runs the model eagerly
     runner = torch.compile(compiled, backend="fsdp_aot_eager", dynamic=False)
-
-    def train(model) -> list[float]:
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        losses = []
-        for step, seq in enumerate([12, 12, 8, 6, 12]):
-            tokens = _tokens(2, seq, seed=100 * step + dist.get_rank())
-            loss = next_token_loss(model(tokens), tokens)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.item())
-        return losses
+    seqs = (12, 12, 8, 6, 12)
 
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            compiled_losses = train(runner)
+            compiled_losses = _train(runner, len(seqs), seqs=seqs)
     finally:
         torch._dynamo.config.recompile_limit = previous_limit
     return {
-        "eager_losses": train(eager),
+        "eager_losses": _train(eager, len(seqs), seqs=seqs),
         "compiled_losses": compiled_losses,
         "param_gap": _param_gap(eager, compiled),
         "warnings": sorted({str(w.message)[:60] for w in caught if "ran eagerly inside a compiled model" in str(w.message)}),
