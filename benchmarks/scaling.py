@@ -17,7 +17,7 @@ from typing import Any
 
 from benchmarks.config import BenchConfig
 from benchmarks.launch import launch
-from benchmarks.report import write_results_md
+from benchmarks.report import _fmt, write_results_md
 from benchmarks.run import worker
 
 __all__ = ["run_compile_scaling", "scaling_table"]
@@ -39,10 +39,6 @@ def _one_run(cfg: BenchConfig, layers: int, phase: str, cache_dir: str, device_t
 def _figure(run: dict, mode: str, key: str) -> float | None:
     figures = run["modes"].get(mode, {})
     return figures.get(key) if figures.get("status") == "ok" else None
-
-
-def _fmt(value: float | None, spec: str) -> str:
-    return "—" if value is None else format(value, spec)
 
 
 def scaling_table(modes: tuple[str, ...], runs: dict[int, dict[str, dict]]) -> str:
@@ -85,8 +81,30 @@ def _target_lines(runs: dict[int, dict[str, dict]]) -> list[str]:
     return lines
 
 
+def _section(cfg: BenchConfig, runs: dict[int, dict[str, dict]]) -> tuple[str, str]:
+    """(RESULTS.md section key, section text) for the layer counts run so far."""
+    meta = next(iter(runs.values()))["cold"]["meta"]
+    targets = _target_lines(runs)
+    key = f"{meta['section_key']}-compile-scaling"
+    missing = [layers for layers in cfg.compile_scaling or () if layers not in runs]
+    return key, (
+        f"<!-- benchmark section: {key} -->\n"
+        f"## {meta['machine']}, world size {meta['world_size']}, compile time against depth\n\n"
+        f"Command: `{cfg.command}`" + (f" (not yet run: {', '.join(map(str, missing))} layers)" if missing else "") + "  \n"
+        f"torch {meta['torch']}, Python {meta['python']}, {meta['date'][:10]}, commit {meta['commit']}.  \n"
+        f"Model: dim {cfg.dim}, {cfg.heads} heads, vocab {cfg.vocab}, seq {cfg.seq}, batch {cfg.batch} per rank, "
+        f"{'bf16 params / fp32 reduce' if cfg.bf16 else 'fp32'}, {cfg.warmup} warm-up + {cfg.steps} measured steps.\n\n"
+        f"{scaling_table(cfg.modes, runs)}\n\n" + ("\n".join(targets) + "\n\n" if targets else "")
+        + (__doc__ or "").split("\n\n", 1)[1].strip() + "\n"
+        f"<!-- end benchmark section: {key} -->\n"
+    )
+
+
 def run_compile_scaling(cfg: BenchConfig, device_type: str) -> None:
-    """Run every layer count of ``cfg.compile_scaling`` cold then warm; print (and write) the table."""
+    """Run every layer count of ``cfg.compile_scaling`` cold then warm; print (and write) the table.
+
+    The section is rewritten after each layer count, so a run stopped early keeps what it measured.
+    """
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         raise SystemExit("--compile-scaling starts its own ranks for every run: run it without torchrun")
     runs: dict[int, dict[str, dict]] = {}
@@ -97,24 +115,12 @@ def run_compile_scaling(cfg: BenchConfig, device_type: str) -> None:
         finally:
             shutil.rmtree(cache_dir, ignore_errors=True)
         print(f"\n{scaling_table(cfg.modes, {layers: runs[layers]})}\n", flush=True)
-    meta = next(iter(runs.values()))["cold"]["meta"]
-    table = scaling_table(cfg.modes, runs)
-    targets = _target_lines(runs)
-    key = f"{meta['section_key']}-compile-scaling"
-    section = (
-        f"<!-- benchmark section: {key} -->\n"
-        f"## {meta['machine']}, world size {meta['world_size']}, compile time against depth\n\n"
-        f"Command: `{cfg.command}`  \n"
-        f"torch {meta['torch']}, Python {meta['python']}, {meta['date'][:10]}, commit {meta['commit']}.  \n"
-        f"Model: dim {cfg.dim}, {cfg.heads} heads, vocab {cfg.vocab}, seq {cfg.seq}, batch {cfg.batch} per rank, "
-        f"{'bf16 params / fp32 reduce' if cfg.bf16 else 'fp32'}, {cfg.warmup} warm-up + {cfg.steps} measured steps.\n\n"
-        f"{table}\n\n" + ("\n".join(targets) + "\n\n" if targets else "") + (__doc__ or "").split("\n\n", 1)[1].strip() + "\n"
-        f"<!-- end benchmark section: {key} -->\n"
-    )
-    print(table)
-    print("\n".join(targets))
-    with open(os.path.join(cfg.out_dir, "compile_scaling.md"), "w") as out:
-        out.write(section)
+        key, section = _section(cfg, runs)
+        with open(os.path.join(cfg.out_dir, "compile_scaling.md"), "w") as out:
+            out.write(section)
+        if cfg.results_md:
+            write_results_md(cfg.results_md, section, key)
+    print(scaling_table(cfg.modes, runs))
+    print("\n".join(_target_lines(runs)))
     if cfg.results_md:
-        write_results_md(cfg.results_md, section, key)
         print(f"wrote the section in {cfg.results_md}")
