@@ -13,7 +13,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 
@@ -184,11 +184,11 @@ _INPUT_INDEX = {
 }
 
 
-def _input_bytes(event: Any) -> int:
-    index = _INPUT_INDEX.get(event.name)
-    if index is None or len(event.input_shapes) <= index or not event.input_shapes[index]:
+def _input_bytes(name: str, shapes: list[list[int]], dtypes: list[str]) -> int:
+    index = _INPUT_INDEX.get(name)
+    if index is None or len(shapes) <= index or not shapes[index]:
         return 0
-    return math.prod(event.input_shapes[index]) * _ITEMSIZE.get(event.input_dtypes[index], 0)
+    return math.prod(shapes[index]) * _ITEMSIZE.get(dtypes[index], 0)
 
 
 @contextlib.contextmanager
@@ -209,10 +209,14 @@ def count_collectives() -> Iterator[CollectiveCounts]:
     finally:
         with _quiet_stderr_fd():
             profiler.__exit__(None, None, None)
-    for event in profiler.events():
-        if event.name.startswith("c10d::"):
-            counts[_collective_kind(event.name)] += 1
-        counts.nbytes += _input_bytes(event)
+    # The raw events, not profiler.events(): that builds the Python event tree of every op recorded,
+    # seconds when a first compile (thousands of fake-tensor ops) ran inside the window.
+    for event in profiler.profiler.kineto_results.events():
+        name = event.name()
+        if name.startswith("c10d::"):
+            counts[_collective_kind(name)] += 1
+        if name in _INPUT_INDEX:
+            counts.nbytes += _input_bytes(name, event.shapes(), event.dtypes())
 
 
 # ---- the probe step -----------------------------------------------------------------------

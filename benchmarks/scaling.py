@@ -1,8 +1,10 @@
 """``python -m benchmarks --compile-scaling``: compile seconds and step time against depth.
 
-For each layer count the benchmark runs twice, each time in fresh processes: *cold*, with an
-empty Inductor cache per rank, then *warm*, with the cache the cold run filled (Dynamo and
-AOTAutograd start from nothing again, as after a restart). Compile seconds are the warm-up
+Each mode at each layer count runs twice, each time in fresh processes of its own: *cold*, with
+an empty Inductor cache per rank, then *warm*, with the cache its cold run filled (Dynamo and
+AOTAutograd start from nothing again, as after a restart). A mode never inherits another mode's
+compiled kernels: run in one process, a later mode would find the earlier modes' identical
+kernels in the shared cache and look cheaper than it is. Compile seconds are the warm-up
 steps' excess over the median step (``compile_cold_s`` of the run's results.json); step ms is
 the cold run's median.
 """
@@ -25,15 +27,30 @@ __all__ = ["run_compile_scaling", "scaling_table"]
 PHASES = ("cold", "warm")
 
 
-def _one_run(cfg: BenchConfig, layers: int, phase: str, cache_dir: str, device_type: str) -> dict[str, Any]:
-    out_dir = os.path.join(cfg.out_dir, f"scaling-{layers}-layers-{phase}")
+def _one_run(cfg: BenchConfig, layers: int, mode: str, phase: str, cache_dir: str, device_type: str) -> dict[str, Any]:
+    out_dir = os.path.join(cfg.out_dir, f"scaling-{layers}-layers-{mode}-{phase}")
     run = dataclasses.replace(
-        cfg, layers=layers, warm_compile=False, inductor_cache_dir=cache_dir, out_dir=out_dir, results_md=None,
-        compile_scaling=None, command=f"{cfg.command} [{layers} layers, {phase}]",
+        cfg, modes=(mode,), layers=layers, warm_compile=False, inductor_cache_dir=cache_dir, out_dir=out_dir,
+        results_md=None, compile_scaling=None, command=f"{cfg.command} [{layers} layers, {mode}, {phase}]",
     )
     launch(worker, cfg.world_size, device_type, run)
     with open(os.path.join(out_dir, "results.json")) as results:
         return json.load(results)
+
+
+def _runs_of_one_depth(cfg: BenchConfig, layers: int, device_type: str) -> dict[str, dict]:
+    """{phase: results.json} at ``layers``, each phase's ``modes`` gathered from the modes' own runs."""
+    by_phase: dict[str, dict] = {}
+    for mode in cfg.modes:
+        cache_dir = tempfile.mkdtemp(prefix=f"fsdp_bench_scaling_{layers}_{mode}_")
+        try:
+            for phase in PHASES:
+                result = _one_run(cfg, layers, mode, phase, cache_dir, device_type)
+                merged = by_phase.setdefault(phase, {**result, "modes": {}})
+                merged["modes"].update(result["modes"])
+        finally:
+            shutil.rmtree(cache_dir, ignore_errors=True)
+    return by_phase
 
 
 def _figure(run: dict, mode: str, key: str) -> float | None:
@@ -109,11 +126,7 @@ def run_compile_scaling(cfg: BenchConfig, device_type: str) -> None:
         raise SystemExit("--compile-scaling starts its own ranks for every run: run it without torchrun")
     runs: dict[int, dict[str, dict]] = {}
     for layers in cfg.compile_scaling or ():
-        cache_dir = tempfile.mkdtemp(prefix=f"fsdp_bench_scaling_{layers}_")
-        try:
-            runs[layers] = {phase: _one_run(cfg, layers, phase, cache_dir, device_type) for phase in PHASES}
-        finally:
-            shutil.rmtree(cache_dir, ignore_errors=True)
+        runs[layers] = _runs_of_one_depth(cfg, layers, device_type)
         print(f"\n{scaling_table(cfg.modes, {layers: runs[layers]})}\n", flush=True)
         key, section = _section(cfg, runs)
         with open(os.path.join(cfg.out_dir, "compile_scaling.md"), "w") as out:

@@ -80,10 +80,16 @@ def read_region_saved_inputs_directly(graph: fx.Graph) -> int:
             chain = _view_chain_of_input(returned[user.args[1]])
             if chain is None:
                 continue
-            outside = call.args[2 + placeholders.index(chain[0])]
+            # A view's other arguments (a symbolic size, with dynamic shapes) are the region's
+            # inputs too: each maps to the call's operand. One computed inside the body has no
+            # value outside: that output stays saved as the region returns it.
+            operand = {placeholder: call.args[2 + index] for index, placeholder in enumerate(placeholders)}
+            if any(arg not in operand for view, inner in zip(chain[1:], chain) for arg in view.all_input_nodes if arg is not inner):
+                continue
+            outside = operand[chain[0]]
             with graph.inserting_before(call):
-                for view in chain[1:]:
-                    outside = graph.node_copy(view, lambda _: outside)
+                for view, inner in zip(chain[1:], chain):
+                    outside = graph.node_copy(view, lambda arg, inner=inner, previous=outside: previous if arg is inner else operand[arg])
             user.replace_all_uses_with(outside)
             rerouted += 1
     return rerouted

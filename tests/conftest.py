@@ -92,12 +92,17 @@ class DistributedPool:
         return [outcomes[r][1] for r in range(self.world_size)]
 
     def close(self) -> None:
+        self.request_stop()
+        self.stop_by(time.monotonic() + 2.0)
+
+    def request_stop(self) -> None:
         for task_queue, process in zip(self.tasks, self.processes):
             if process.is_alive():
                 task_queue.put(None)
-        # One grace period for all ranks, not one each: a rank that has not left by then (stuck in
-        # destroy_process_group with a failed peer) is killed, as it has nothing left to report.
-        deadline = time.monotonic() + 2.0
+
+    def stop_by(self, deadline: float) -> None:
+        """Wait for the ranks to leave until ``deadline``; one left then (stuck in
+        destroy_process_group with a failed peer) is killed, as it has nothing left to report."""
         for process in self.processes:
             process.join(timeout=max(0.0, deadline - time.monotonic()))
             if process.is_alive():
@@ -119,8 +124,12 @@ class PoolRegistry:
             raise
 
     def close(self) -> None:
+        # One grace period for every pool's ranks, not one per pool.
         for pool in self.pools.values():
-            pool.close()
+            pool.request_stop()
+        deadline = time.monotonic() + 2.0
+        for pool in self.pools.values():
+            pool.stop_by(deadline)
         self.pools.clear()
 
 

@@ -19,6 +19,24 @@ SMALL = TransformerConfig(vocab_size=64, dim=32, n_layers=3, n_heads=4, max_seq_
 UNEVEN = TransformerConfig(vocab_size=37, dim=24, n_layers=2, n_heads=2, ffn_hidden=40, max_seq_len=16)
 
 
+class TinyLM(nn.Module):
+    """UNEVEN's vocabulary (37 rows: padded shards) with the least to trace: an embedding, linear
+    blocks, a head. For tests about collectives and settings, where a transformer block's many ops
+    only add Dynamo and AOTAutograd time (each compile of it costs seconds on 2 cores)."""
+
+    def __init__(self, vocab_size: int = UNEVEN.vocab_size, dim: int = 8, n_layers: int = 2) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab_size, dim)
+        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(n_layers))
+        self.output = nn.Linear(dim, vocab_size)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = layer(x).relu()
+        return self.output(x)
+
+
 def build_reference(config: TransformerConfig = SMALL, seed: int = 0) -> Transformer:
     torch.manual_seed(seed)
     return Transformer(config)

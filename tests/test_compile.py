@@ -88,9 +88,11 @@ def _compiled_vs_eager(
                 runner = compiled
                 step = torch.compile(_forward_backward, backend=backend)
             elif mode == "fallback_step":
+                # aot_eager: what is tested is where the step's graphs break for the hooks (the
+                # fallback under Inductor is test_skip_fsdp_hooks_fallback_runs_hooks_eagerly...).
                 fsdp_compile.config.skip_fsdp_hooks = True
                 runner = compiled
-                step = torch.compile(_forward_backward, backend="inductor")
+                step = torch.compile(_forward_backward, backend="aot_eager")
             elif mode == "fallback_compiled_autograd":
                 fsdp_compile.config.skip_fsdp_hooks = True
                 torch._dynamo.config.compiled_autograd = True

@@ -16,7 +16,7 @@ from benchmarks.measure import count_collectives
 import fsdp_compile
 from fsdp_compile import BackwardPrefetch, CommPolicy, CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from fsdp_compile.models import next_token_loss
-from fsdp_testing import UNEVEN, build_reference, global_batches, local_part, shard_model, sharded_copy
+from fsdp_testing import UNEVEN, TinyLM, global_batches, local_part, shard_model, sharded_copy
 
 MICRO_BATCHES = 4
 
@@ -28,7 +28,8 @@ def _accumulate_compiled_and_eager(backend: str, hybrid: bool = False, micro_bat
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     # Uneven: 37 embedding rows over 2 ranks, so the accumulated gradient meets padding.
-    reference = build_reference(UNEVEN)
+    torch.manual_seed(0)
+    reference = TinyLM()
     batches = global_batches(2, micro_batches, dist.get_world_size(), UNEVEN)
     kwargs, counted = {}, "reduce_scatter"
     if hybrid:

@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fsdp_compile import fully_shard
 from fsdp_compile.models import Transformer, TransformerConfig, next_token_loss
-from fsdp_testing import shard_model
+from fsdp_testing import TinyLM, shard_model
 
 # Two small blocks: enough for prefetch across groups, cheap to compile on 2 cores.
 TINY = TransformerConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, max_seq_len=16)
@@ -25,10 +25,10 @@ def _tokens(rows: int, seq: int, seed: int) -> torch.Tensor:
     return (start + torch.arange(seq)) % TINY.vocab_size
 
 
-def _pair():
+def _pair(build=lambda: Transformer(TINY)):
     """Our eager model and an identical one to compile, sharded the same way."""
     torch.manual_seed(0)
-    reference = Transformer(TINY)
+    reference = build()
     return shard_model(copy.deepcopy(reference), fully_shard), shard_model(copy.deepcopy(reference), fully_shard)
 
 
@@ -50,7 +50,11 @@ def _max_param_gap(a, b) -> float:
 def _per_rank_shapes(dynamic):
     torch._dynamo.reset()
     rank = dist.get_rank()
-    eager, compiled = _pair()
+    # TinyLM: the collectives do not depend on the batch's shape whatever the blocks are, and
+    # each recompile below retraces the whole model (a transformer's ops cost seconds each time).
+    # Its blocks' regions reshape their input with symbolic sizes once shapes turn dynamic, which
+    # the region pass once copied with the parameter in place of the size (passes/recompute.py).
+    eager, compiled = _pair(lambda: TinyLM(vocab_size=TINY.vocab_size, dim=16))
     # fsdp_aot_eager: the same Dynamo graphs, cross-rank check and passes as fsdp_inductor, without
     # the Inductor code generation that would make each of the recompiles here cost a minute on
     # 2 cores (Inductor's numerics are checked in test_compile.py and in the loops below).
