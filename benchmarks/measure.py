@@ -184,9 +184,8 @@ _INPUT_INDEX = {
 }
 
 
-def _input_bytes(name: str, shapes: list[list[int]], dtypes: list[str]) -> int:
-    index = _INPUT_INDEX.get(name)
-    if index is None or len(shapes) <= index or not shapes[index]:
+def _input_bytes(index: int, shapes: list[list[int]], dtypes: list[str]) -> int:
+    if len(shapes) <= index or not shapes[index]:
         return 0
     return math.prod(shapes[index]) * _ITEMSIZE.get(dtypes[index], 0)
 
@@ -215,8 +214,9 @@ def count_collectives() -> Iterator[CollectiveCounts]:
         name = event.name()
         if name.startswith("c10d::"):
             counts[_collective_kind(name)] += 1
-        if name in _INPUT_INDEX:
-            counts.nbytes += _input_bytes(name, event.shapes(), event.dtypes())
+        index = _INPUT_INDEX.get(name)
+        if index is not None:
+            counts.nbytes += _input_bytes(index, event.shapes(), event.dtypes())
 
 
 # ---- the probe step -----------------------------------------------------------------------

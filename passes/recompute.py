@@ -72,7 +72,10 @@ def read_region_saved_inputs_directly(graph: fx.Graph) -> int:
         body = getattr(owner, call.args[0].target, None)
         if not isinstance(body, fx.GraphModule):
             continue
-        placeholders = list(body.graph.find_nodes(op="placeholder"))
+        # The body's inputs by the call's operands. A view's other arguments (a symbolic size, with
+        # dynamic shapes) are the region's inputs too and map the same way; one computed inside
+        # the body has no value outside, so that output stays saved as the region returns it.
+        operand = {placeholder: call.args[2 + index] for index, placeholder in enumerate(body.graph.find_nodes(op="placeholder"))}
         returned = body.graph.find_nodes(op="output")[0].args[0]
         for user in list(call.users):
             if user.target is not operator.getitem:
@@ -80,10 +83,6 @@ def read_region_saved_inputs_directly(graph: fx.Graph) -> int:
             chain = _view_chain_of_input(returned[user.args[1]])
             if chain is None:
                 continue
-            # A view's other arguments (a symbolic size, with dynamic shapes) are the region's
-            # inputs too: each maps to the call's operand. One computed inside the body has no
-            # value outside: that output stays saved as the region returns it.
-            operand = {placeholder: call.args[2 + index] for index, placeholder in enumerate(placeholders)}
             if any(arg not in operand for view, inner in zip(chain[1:], chain) for arg in view.all_input_nodes if arg is not inner):
                 continue
             outside = operand[chain[0]]

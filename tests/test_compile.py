@@ -88,8 +88,8 @@ def _compiled_vs_eager(
                 runner = compiled
                 step = torch.compile(_forward_backward, backend=backend)
             elif mode == "fallback_step":
-                # aot_eager: what is tested is where the step's graphs break for the hooks (the
-                # fallback under Inductor is test_skip_fsdp_hooks_fallback_runs_hooks_eagerly...).
+                # aot_eager: what is tested is where the step's graphs break for the hooks; the
+                # fallback under Inductor is test_skip_fsdp_hooks_fallback_runs_hooks_eagerly_with_equal_numerics.
                 fsdp_compile.config.skip_fsdp_hooks = True
                 runner = compiled
                 step = torch.compile(_forward_backward, backend="aot_eager")

@@ -25,8 +25,8 @@ def _tokens(rows: int, seq: int, seed: int) -> torch.Tensor:
     return (start + torch.arange(seq)) % TINY.vocab_size
 
 
-def _pair(build=lambda: Transformer(TINY)):
-    """Our eager model and an identical one to compile, sharded the same way."""
+def _pair(build):
+    """Our eager model and an identical one to compile (``build()``), sharded the same way."""
     torch.manual_seed(0)
     reference = build()
     return shard_model(copy.deepcopy(reference), fully_shard), shard_model(copy.deepcopy(reference), fully_shard)
@@ -53,7 +53,7 @@ def _per_rank_shapes(dynamic):
     # TinyLM: the collectives do not depend on the batch's shape whatever the blocks are, and
     # each recompile below retraces the whole model (a transformer's ops cost seconds each time).
     # Its blocks' regions reshape their input with symbolic sizes once shapes turn dynamic, which
-    # the region pass once copied with the parameter in place of the size (passes/recompute.py).
+    # the region pass once copied with the region's input tensor in place of the size (passes/recompute.py).
     eager, compiled = _pair(lambda: TinyLM(vocab_size=TINY.vocab_size, dim=16))
     # fsdp_aot_eager: the same Dynamo graphs, cross-rank check and passes as fsdp_inductor, without
     # the Inductor code generation that would make each of the recompiles here cost a minute on
