@@ -37,6 +37,30 @@ class TinyLM(nn.Module):
         return self.output(x)
 
 
+class CountingAllGather:
+    """An FSDP2 ``AllGather`` doing what the default does (torch.empty, torch.distributed), counting calls."""
+
+    def __init__(self) -> None:
+        self.allocated: list[tuple[int, ...]] = []
+        self.calls = 0
+
+    def allocate(self, size, *, dtype, device):
+        self.allocated.append(tuple(size))
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output, input, group, async_op=False):
+        self.calls += 1
+        return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+
+
+class CountingReduceScatter(CountingAllGather):
+    """An FSDP2 ``ReduceScatter``."""
+
+    def __call__(self, output, input, group, op, async_op=False):
+        self.calls += 1
+        return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+
+
 def build_reference(config: TransformerConfig = SMALL, seed: int = 0) -> Transformer:
     torch.manual_seed(seed)
     return Transformer(config)

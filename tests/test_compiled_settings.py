@@ -16,7 +16,7 @@ from benchmarks.measure import count_collectives
 import fsdp_compile
 from fsdp_compile import BackwardPrefetch, CommPolicy, CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from fsdp_compile.models import next_token_loss
-from fsdp_testing import UNEVEN, TinyLM, global_batches, local_part, shard_model, sharded_copy
+from fsdp_testing import UNEVEN, CountingAllGather, CountingReduceScatter, TinyLM, global_batches, local_part, shard_model, sharded_copy
 
 MICRO_BATCHES = 4
 
@@ -94,16 +94,6 @@ def test_hsdp_deferred_all_reduce_under_fsdp_inductor_all_reduces_only_in_the_la
     assert graphs == [graphs[0]] * (micro - 1) + [graphs[0] + 1] * (micro + 1), graphs
 
 
-class _PlainReduceScatter:
-    """An FSDP2 ``ReduceScatter`` doing what the default does."""
-
-    def allocate(self, size, *, dtype, device):
-        return torch.empty(size, dtype=dtype, device=device)
-
-    def __call__(self, output, input, group, op, async_op=False):
-        return torch.distributed.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
-
-
 class _TwoBlocks(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -132,7 +122,7 @@ def _refused(setting: str) -> str:
             block.set_all_reduce_hook(lambda reduced: None)
     if setting == "comm_settings":
         for block in model.blocks:
-            block.set_custom_reduce_scatter(_PlainReduceScatter())
+            block.set_custom_reduce_scatter(CountingReduceScatter())
         model.set_reduce_scatter_unused_params(True)
         model.set_reduce_scatter_max_input_buffers(2)
         model.set_separate_reduce_scatter_group()
@@ -283,9 +273,9 @@ _SETTING_CASES: dict[str, dict] = {
         named="set_allocate_memory_from_process_group_for_comm",
     ),
     "set_all_reduce_hook": dict(configure=_each_block("set_all_reduce_hook", lambda reduced: None), verdict="refused", named="set_all_reduce_hook"),
-    "set_custom_all_gather": dict(configure=lambda model: _each_block("set_custom_all_gather", _PlainAllGather())(model), verdict="refused", named="set_custom_all_gather"),
+    "set_custom_all_gather": dict(configure=lambda model: _each_block("set_custom_all_gather", CountingAllGather())(model), verdict="refused", named="set_custom_all_gather"),
     "set_custom_reduce_scatter": dict(
-        configure=lambda model: _each_block("set_custom_reduce_scatter", _PlainReduceScatter())(model), verdict="refused", named="set_custom_reduce_scatter",
+        configure=lambda model: _each_block("set_custom_reduce_scatter", CountingReduceScatter())(model), verdict="refused", named="set_custom_reduce_scatter",
     ),
     "set_reduce_scatter_unused_params": dict(configure=lambda model: model.set_reduce_scatter_unused_params(True), verdict="refused", named="set_reduce_scatter_unused_params"),
     "set_reduce_scatter_max_input_buffers": dict(configure=lambda model: model.set_reduce_scatter_max_input_buffers(2), verdict="refused", named="set_reduce_scatter_max_input_buffers"),
@@ -324,16 +314,6 @@ def _shard_net_ignoring_a_bias() -> _Net:
         fully_shard(block, ignored_params=ignored)
     fully_shard(model, ignored_params=ignored)
     return model
-
-
-class _PlainAllGather:
-    """An FSDP2 ``AllGather`` doing what the default does."""
-
-    def allocate(self, size, *, dtype, device):
-        return torch.empty(size, dtype=dtype, device=device)
-
-    def __call__(self, output, input, group, async_op=False):
-        return torch.distributed.all_gather_into_tensor(output, input, group=group, async_op=async_op)
 
 
 def _loss(model, runner, method: str, generator: torch.Generator) -> torch.Tensor:

@@ -12,7 +12,7 @@ import fsdp_compile
 import fsdp_compile.collectives as collectives
 from fsdp_compile import fully_shard, register_fsdp_forward_method
 from fsdp_compile.models import Transformer, TransformerConfig, next_token_loss
-from fsdp_testing import count_process_group_calls, max_difference, shard_model
+from fsdp_testing import CountingAllGather, CountingReduceScatter, count_process_group_calls, max_difference, shard_model
 
 # Untied: the embedding is a group of its own (set_unshard_in_backward below).
 TINY = TransformerConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, max_seq_len=16, tie_embeddings=False)
@@ -165,30 +165,6 @@ def test_register_fsdp_forward_method_gathers_around_a_non_forward_method(dist):
     assert "not managed by fully_shard" in result["not_fsdp"]
 
 
-class _CountingAllGather:
-    """An FSDP2 ``AllGather``: allocates with torch.empty, gathers with torch.distributed."""
-
-    def __init__(self) -> None:
-        self.allocated: list[tuple[int, ...]] = []
-        self.calls = 0
-
-    def allocate(self, size, *, dtype, device):
-        self.allocated.append(tuple(size))
-        return torch.empty(size, dtype=dtype, device=device)
-
-    def __call__(self, output, input, group, async_op=False):
-        self.calls += 1
-        return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
-
-
-class _CountingReduceScatter(_CountingAllGather):
-    """An FSDP2 ``ReduceScatter``."""
-
-    def __call__(self, output, input, group, op, async_op=False):
-        self.calls += 1
-        return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
-
-
 def _step_grads(model: Transformer, tokens: torch.Tensor, log: list | None = None) -> list[torch.Tensor]:
     """One backward; ``log`` gets the length of the reductions-in-flight queue at each reduce-scatter."""
     if log is None:
@@ -213,7 +189,7 @@ def _comm_settings_effects() -> dict:
 
     # set_custom_all_gather / set_custom_reduce_scatter: every collective of the module goes through them.
     custom = _sharded_model()
-    gather, scatter = _CountingAllGather(), _CountingReduceScatter()
+    gather, scatter = CountingAllGather(), CountingReduceScatter()
     for module in (*custom.layers, custom):
         module.set_custom_all_gather(gather)
         module.set_custom_reduce_scatter(scatter)
