@@ -6,6 +6,8 @@ Registered on ``import fsdp_compile`` and through the ``torch_dynamo_backends`` 
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -67,7 +69,19 @@ class _RecomputeReshardedParams(CustomGraphPass):
         _tag_recompute(graph)
 
     def uuid(self) -> Any:
-        return _PASS_VERSION
+        return f"{_PASS_VERSION}:{_traced_code_version()}"
+
+
+@functools.cache
+def _traced_code_version() -> str:
+    """A hash of traceable.py. AOTAutograd's cache keys a graph by Dynamo's, where each traced
+    all-gather is one op whose decomposition and backward formula live in traceable.py (see
+    [Note: the traced all-gather is one op]): a changed formula must miss the cache."""
+    import inspect
+
+    from fsdp_compile import traceable
+
+    return hashlib.sha256(inspect.getsource(traceable).encode()).hexdigest()[:16]
 
 
 class _PostGradPasses(CustomGraphPass):
@@ -215,7 +229,25 @@ def _compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], pa
     if _has_nested_regions(gm):
         # See [Note: Inductor's buffer reuse across nested regions].
         config_patches["allow_buffer_reuse"] = False
+    _add_traced_op_to_inductors_decompositions()
     return compile_fx(gm, example_inputs, config_patches=config_patches)
+
+
+def _add_traced_op_to_inductors_decompositions() -> None:
+    """TRACED_OP_DECOMPOSITIONS in Inductor's own table. Not ``compile_fx(decompositions=...)``: that
+    table object goes into Inductor's FX-graph cache key, which cannot pickle it and then refuses
+    every graph (seen with torch 2.13: each process compiled everything again)."""
+    from torch._inductor import decomposition
+
+    from fsdp_compile.traceable import TRACED_OP_DECOMPOSITIONS
+
+    if all(op in decomposition.decompositions for op in TRACED_OP_DECOMPOSITIONS):
+        return
+    decomposition.decompositions.update(TRACED_OP_DECOMPOSITIONS)
+    # Inductor memoizes the table it selects: forget a copy taken before this addition.
+    memoized = getattr(decomposition, "fast_random_decomps", None)
+    if hasattr(memoized, "cache_clear"):
+        memoized.cache_clear()
 
 
 # [Note: Inductor's buffer reuse across nested regions]
@@ -262,6 +294,7 @@ def fsdp_aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: 
 
     from fsdp_compile import config
     from fsdp_compile.passes import apply_post_grad_passes
+    from fsdp_compile.traceable import TRACED_OP_DECOMPOSITIONS
 
     refuse_tensor_parallel_graphs(example_inputs)
     check_collectives_match_across_ranks(gm)
@@ -281,7 +314,8 @@ def fsdp_aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: 
         return compiler
 
     return aot_module_simplified(
-        gm, example_inputs, fw_compiler=run_eagerly("forward"), bw_compiler=run_eagerly("backward"), partition_fn=partition
+        gm, example_inputs, fw_compiler=run_eagerly("forward"), bw_compiler=run_eagerly("backward"), partition_fn=partition,
+        decompositions=TRACED_OP_DECOMPOSITIONS,
     )
 
 

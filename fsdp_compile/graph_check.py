@@ -52,16 +52,22 @@ def _collective_calls(gm: fx.GraphModule) -> list[str]:
                 # The process group's name comes last; ranks in different shard or replica groups
                 # (HSDP) legitimately name different groups of the same size.
                 args = node.args[:-1] if node.args and isinstance(node.args[-1], str) else node.args
+                if _qualified_name(node.target).startswith("fsdp_compile::"):  # names its groups in the middle
+                    args = [a for a in node.args if not isinstance(a, str)]
                 constants = [repr(a) for a in args if not isinstance(a, (fx.Node, list, tuple))]
                 label = (node.meta.get("custom") or {}).get(GROUP_KEY, "")
                 calls.append(f"{name}({', '.join(constants)}) group={label}")
     return calls
 
 
-def _is_functional_collective(target: object) -> bool:
+def _qualified_name(target: object) -> str:
     # Dynamo's graphs hold op packets (torch.ops._c10d_functional.x), AOT's the overloads (x.default).
-    qualified = getattr(target, "_qualified_op_name", None) or getattr(getattr(target, "overloadpacket", None), "_qualified_op_name", "")
-    return qualified.startswith("_c10d_functional::")
+    return getattr(target, "_qualified_op_name", None) or getattr(getattr(target, "overloadpacket", None), "_qualified_op_name", "")
+
+
+def _is_functional_collective(target: object) -> bool:
+    # fsdp_compile::all_gather_shard: a parameter's traced all-gather (see traceable.py).
+    return _qualified_name(target).startswith(("_c10d_functional::", "fsdp_compile::"))
 
 
 def collective_fingerprint(gm: fx.GraphModule) -> str:

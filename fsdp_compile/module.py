@@ -72,7 +72,7 @@ class FSDPModule:
         if torch.compiler.is_compiling():
             state = self._fsdp_state()
             if state.compiles_as_region:
-                unsharded = [state.traced_unshard(fsdp_param) for fsdp_param in state.group.fsdp_params]
+                unsharded = state.traced_unshard(state.group.fsdp_params)
                 return _block_region(self, unsharded, args, kwargs)
         elif self._fsdp_state().hooks_stood_aside():
             return self._forward_with_eager_hooks(args, kwargs)
@@ -596,7 +596,7 @@ def fully_shard(
     for fsdp_param in fsdp_params:
         for ref in fsdp_param.refs:
             install_traced_param_access(ref.module, ref.name, fsdp_param, state)
-    states = all_states_under(modules)
+    states = state.states_in_tree()
     for inner in states:
         inner.outer = None if inner is state else state
         inner.has_outer = inner.outer is not None

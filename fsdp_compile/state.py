@@ -34,6 +34,8 @@ __all__ = ["FSDPState", "state_of", "all_states_under", "live_states"]
 _STATE_ATTR = "_fsdp_compile_state"
 _live_states: "weakref.WeakSet[FSDPState]" = weakref.WeakSet()
 _trace_tokens = itertools.count()
+# Bumped by every new FSDPState: a cached walk of a model's states is stale after it.
+_states_generation = 0
 
 
 def live_states() -> list["FSDPState"]:
@@ -153,6 +155,9 @@ class FSDPState:
             module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
             module.register_forward_hook(self._post_forward_hook, prepend=False)
         _live_states.add(self)
+        global _states_generation
+        _states_generation += 1
+        self._tree_states: tuple[int, list[FSDPState]] | None = None
         # Names this state in the annotations of traced nodes (admit_traced_parameters in backend.py).
         self.trace_token = next(_trace_tokens)
 
@@ -229,40 +234,49 @@ class FSDPState:
         (traced, or eagerly when Dynamo fell back on the region's body)."""
         return self.modules[0].__dict__.get(BOUND_PARAMS_ATTR)
 
-    def traced_unshard(self, fsdp_param: "FSDPParam", first_place: bool = True) -> torch.Tensor:
-        """What a read of ``fsdp_param`` traces to under torch.compile; see traceable.py.
+    def traced_unshard(self, fsdp_params: "list[FSDPParam]", first_place: bool = True) -> list[torch.Tensor]:
+        """What reads of ``fsdp_params`` (this group's) trace to under torch.compile; see traceable.py.
 
-        ``first_place``: the read is through the parameter's first registered name, the one read
-        that adds the no-sync sum (a tied parameter is read once per name).
+        A block's forward traces its whole group at once, so the group's settings are read (and
+        guarded) once per block rather than once per parameter. ``first_place``: the reads are
+        through each parameter's first registered name, the one read that adds the no-sync sum (a
+        tied parameter is read once per name).
         """
         group = self.group
         assert group is not None
         bound = self.bound_params()
-        if bound is not None:  # inside the block's region: the unsharded parameter is an input
-            return bound[fsdp_param.index_in_group]
+        if bound is not None:  # inside the block's region: the unsharded parameters are inputs
+            return [bound[fsdp_param.index_in_group] for fsdp_param in fsdp_params]
         if self.settings_refused_when_compiled():
             pass  # the branch makes Dynamo guard on the settings; admit_traced_parameters refuses them
-        annotation = trace_annotation(group.label, fsdp_param.fqn, self.reshards_after_forward, self.trace_token)
-        accumulated = deferred = deferred_sink = None
+        spec = group.reduce_spec
         hybrid = group.mesh_info.replicate_group is not None
-        if group.requires_gradient_sync and first_place:
-            accumulated = fsdp_param.staged_accumulated_grad
-            if accumulated is None:
-                # Compiled without its root (which stages the sums): take it here, which Dynamo
-                # allows outside higher-order ops such as activation checkpointing.
-                accumulated = fsdp_param.pop_accumulated_grad()
-            if hybrid and group.requires_all_reduce:  # [Note: deferred all-reduce] in param.py
+        takes_sums = group.requires_gradient_sync and first_place
+        adds_deferred = takes_sums and hybrid and group.requires_all_reduce  # [Note: deferred all-reduce] in param.py
+        sinks_deferred = hybrid and not group.requires_all_reduce  # every read's sum adds up in the sink's .grad
+        policy = group.comm_policy
+        quantize = (policy.all_gather_dtype, policy.block_size) if policy.quantizes_all_gather else None
+        reshards = self.reshards_after_forward
+        unsharded = []
+        for fsdp_param in fsdp_params:
+            accumulated = deferred = None
+            if takes_sums:
+                accumulated = fsdp_param.staged_accumulated_grad
+                if accumulated is None:
+                    # Compiled without its root (which stages the sums): take it here, which Dynamo
+                    # allows outside higher-order ops such as activation checkpointing.
+                    accumulated = fsdp_param.pop_accumulated_grad()
+            if adds_deferred:
                 deferred = fsdp_param.staged_deferred_all_reduce
                 if deferred is None:
                     deferred = fsdp_param.pop_deferred_all_reduce()
-        if hybrid and not group.requires_all_reduce:  # every read's sum adds up in the sink's .grad
-            deferred_sink = fsdp_param.deferred_all_reduce_sink
-        return unshard_for_trace(
-            fsdp_param.sharded_param, fsdp_param.layout, fsdp_param.param_dtype, group.reduce_spec, annotation,
-            fsdp_param.accumulation_sink, group.requires_gradient_sync, accumulated, deferred, deferred_sink,
-            (group.comm_policy.all_gather_dtype, group.comm_policy.block_size) if group.comm_policy.quantizes_all_gather else None,
-            fsdp_param.tensor_parallel,
-        )
+            unsharded.append(unshard_for_trace(
+                fsdp_param.sharded_param, fsdp_param.layout, fsdp_param.param_dtype, spec,
+                trace_annotation(group.label, fsdp_param.fqn, reshards, self.trace_token), fsdp_param.accumulation_sink,
+                group.requires_gradient_sync, accumulated, deferred,
+                fsdp_param.deferred_all_reduce_sink if sinks_deferred else None, quantize, fsdp_param.tensor_parallel,
+            ))
+        return unsharded
 
     @property
     def label(self) -> str:
@@ -323,12 +337,21 @@ class FSDPState:
             return self._cast_forward_inputs(args, kwargs)
         return self._pre_forward(module, args, kwargs)
 
+    def states_in_tree(self) -> list["FSDPState"]:
+        """``all_states_under(self.modules)``, walked again only after a later fully_shard call: the
+        root's traced pre/post-forward read it, and Dynamo's trace of a walk over every module costs
+        compile time per layer (fully_shard fills it eagerly)."""
+        cached = self._tree_states
+        if cached is None or cached[0] != _states_generation:
+            cached = self._tree_states = (_states_generation, all_states_under(self.modules))
+        return cached[1]
+
     def _stage_accumulated_grads(self) -> None:
         """Root pre-forward under torch.compile: hand each synced parameter's no-sync sum to this
         forward's traced unshard ([Note: no-sync accumulation] in param.py). Emptying the sink
         happens here, outside any higher-order op: Dynamo refuses that mutation inside one (an
         activation-checkpointed region reading the parameter). The root's post-forward lets go."""
-        for state in all_states_under(self.modules):
+        for state in self.states_in_tree():
             if state.group is None or not state.group.requires_gradient_sync:
                 continue
             all_reduces = state.group.mesh_info.replicate_group is not None and state.group.requires_all_reduce
@@ -341,7 +364,7 @@ class FSDPState:
                     fsdp_param.staged_deferred_all_reduce = deferred
 
     def _release_staged_grads(self) -> None:
-        for state in all_states_under(self.modules):
+        for state in self.states_in_tree():
             for fsdp_param in state.group.fsdp_params if state.group is not None else ():
                 if fsdp_param.staged_accumulated_grad is not None:
                     fsdp_param.staged_accumulated_grad = None

@@ -5,6 +5,7 @@ block, gathers its parameters again in backward instead of saving them."""
 from __future__ import annotations
 
 import copy
+import os
 import operator
 
 import pytest
@@ -281,3 +282,42 @@ def test_whole_model_frames_run_eagerly_get_the_eager_hooks_and_train_like_eager
         assert "fsdp_compile: the forward of 'layers.0' ran eagerly inside a" not in result["warnings"], result
     else:  # the whole frame ran eagerly, hooks included: nothing stood aside
         assert result["warnings"] == [], result
+
+
+def _one_compiled_step_of_tiny_lm(cache_dir: str) -> tuple[float, dict[str, int]]:
+    """One fsdp_inductor step of TinyLM (two blocks) with Inductor's cache in ``cache_dir``: (loss,
+    AOTAutograd's cache counters of this process)."""
+    from torch._dynamo.utils import counters
+
+    from fsdp_testing import TinyLM
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    torch.manual_seed(0)
+    model = TinyLM()
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    tokens = _tokens(2, 8, seed=dist.get_rank()) % 37
+    loss = next_token_loss(torch.compile(model, backend="fsdp_inductor")(tokens), tokens)
+    loss.backward()
+    return loss.item(), dict(counters["aot_autograd"])
+
+
+def test_a_second_process_takes_the_compiled_graph_from_aotautograds_cache(tmp_path):
+    """[Note: the traced all-gather is one op]: a restarted job finds the whole-model graph in
+    AOTAutograd's cache instead of tracing and partitioning it again (an autograd.Function in the
+    graph made the cache refuse it: every process missed)."""
+    from conftest import DistributedPool
+
+    runs = []
+    for _ in range(2):  # two fresh processes (one rank: the cache works alike at any world size), one cache directory
+        pool = DistributedPool(1)
+        try:
+            runs.append(pool.run(_one_compiled_step_of_tiny_lm, str(tmp_path)))
+        finally:
+            pool.close()
+    (first_loss, first), (second_loss, second) = runs[0][0], runs[1][0]
+    assert first.get("autograd_cache_hit", 0) == 0 and first.get("autograd_cache_saved", 0) >= 1, first
+    assert second.get("autograd_cache_hit", 0) >= first["autograd_cache_saved"], second
+    assert "autograd_cache_bypass" not in second, second
+    assert second_loss == first_loss

@@ -130,3 +130,34 @@ def test_inductor_cache_keys_a_device_mesh_by_what_identifies_it(fake_world):
     renamed = init_device_mesh("cpu", (fake_world,), mesh_dim_names=("fsdp",))
     assert again is not built and key(again) == key(built)
     assert key(renamed) != key(built)
+
+
+@pytest.mark.parametrize("fake_world", [8], indirect=True)
+def test_dynamo_graph_traces_each_parameter_read_as_one_all_gather_op(fake_world):
+    """[Note: the traced all-gather is one op]: Dynamo records one fsdp_compile::all_gather_shard node
+    per managed parameter (no autograd.Function to speculate anywhere in the graph or its regions),
+    and the backend's decomposition turns each into the functional all-gather the passes read."""
+    from fsdp_compile.backend import fsdp_aot_eager, observe_graphs
+    from fsdp_testing import TinyLM
+
+    torch._dynamo.reset()
+    model = TinyLM()
+    for layer in model.layers:
+        fsdp_compile.fully_shard(layer)
+    fsdp_compile.fully_shard(model)
+    dynamo_graphs = []
+
+    def capture(gm, example_inputs):
+        dynamo_graphs.append(gm)
+        return fsdp_aot_eager(gm, example_inputs)
+
+    with observe_graphs() as graphs:
+        torch.compile(model, backend=capture, fullgraph=True)(torch.randint(0, 37, (2, 8))).sum().backward()
+    dynamo_graph = dynamo_graphs[0]  # the model's (a second one holds the root's post-forward, no parameter read)
+    nodes = [n for gm in dynamo_graph.modules() if isinstance(gm, torch.fx.GraphModule) for n in gm.graph.nodes]
+    traced_gathers = [n for n in nodes if n.op == "call_function" and "fsdp_compile.all_gather_shard" in str(n.target)]
+    assert len(traced_gathers) == len(list(model.parameters())) == 7
+    assert len({(fsdp_annotation(n)[GROUP_KEY], fsdp_annotation(n)[PARAM_KEY]) for n in traced_gathers}) == 7
+    assert not [n for n in nodes if n.target is torch.ops.higher_order.autograd_function_apply]
+    forward = next(g for kind, g in graphs if kind == "forward")
+    assert not _ops(forward, "fsdp_compile") and len(_ops(forward, "all_gather_into_tensor")) == 3  # bucketed per group
