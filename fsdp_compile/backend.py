@@ -81,7 +81,12 @@ def _traced_code_version() -> str:
 
     from fsdp_compile import traceable
 
-    return hashlib.sha256(inspect.getsource(traceable).encode()).hexdigest()[:16]
+    try:
+        source = inspect.getsource(traceable)
+    except (OSError, TypeError):  # installed without sources: its compiled file stands in
+        with open(traceable.__file__, "rb") as compiled:
+            return hashlib.sha256(compiled.read()).hexdigest()[:16]
+    return hashlib.sha256(source.encode()).hexdigest()[:16]
 
 
 class _PostGradPasses(CustomGraphPass):
