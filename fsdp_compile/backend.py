@@ -77,16 +77,11 @@ def _traced_code_version() -> str:
     """A hash of traceable.py. AOTAutograd's cache keys a graph by Dynamo's, where each traced
     all-gather is one op whose decomposition and backward formula live in traceable.py (see
     [Note: the traced all-gather is one op]): a changed formula must miss the cache."""
-    import inspect
-
     from fsdp_compile import traceable
 
-    try:
-        source = inspect.getsource(traceable)
-    except (OSError, TypeError):  # installed without sources: its compiled file stands in
-        with open(traceable.__file__, "rb") as compiled:
-            return hashlib.sha256(compiled.read()).hexdigest()[:16]
-    return hashlib.sha256(source.encode()).hexdigest()[:16]
+    # The file the module was loaded from: its source, or its compiled file where none shipped.
+    with open(traceable.__file__, "rb") as loaded:
+        return hashlib.sha256(loaded.read()).hexdigest()[:16]
 
 
 class _PostGradPasses(CustomGraphPass):

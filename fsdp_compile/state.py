@@ -299,7 +299,7 @@ class FSDPState:
                 f"fsdp_compile: forward ran on '{self.label}' before its root '{self.outer.label}'. FSDP initializes "
                 "lazily from the root: run the forward of the outermost fully_shard module (the model) first."
             )
-        states = all_states_under(self.modules)
+        states = self.states_in_tree()
         for state in states:
             if state.root_ctx is not None and state is not self:
                 raise RuntimeError(
@@ -340,7 +340,7 @@ class FSDPState:
     def states_in_tree(self) -> list["FSDPState"]:
         """``all_states_under(self.modules)``, walked again only after a later fully_shard call: the
         root's traced pre/post-forward read it, and Dynamo's trace of a walk over every module costs
-        compile time per layer (fully_shard fills it eagerly)."""
+        compile time per layer (fully_shard fills it eagerly). Shared, not copied: read it only."""
         cached = self._tree_states
         if cached is None or cached[0] != _states_generation:
             cached = self._tree_states = (_states_generation, all_states_under(self.modules))
@@ -584,7 +584,7 @@ class FSDPState:
 
     def reset_iter_state(self) -> None:
         """The root's recovery after an exception mid-step (``FSDPModule.reset_iter_state``)."""
-        states = self.root_ctx.states if self.root_ctx is not None else all_states_under(self.modules)
+        states = self.root_ctx.states if self.root_ctx is not None else self.states_in_tree()
         for state in states:
             if state.group is not None:
                 state.group.reset_after_failed_step()
@@ -619,5 +619,5 @@ class FSDPState:
 
     # --- used by FSDPModule -----------------------------------------------------------------------
     def states_under(self, recurse: bool) -> list["FSDPState"]:
-        return all_states_under(self.modules) if recurse else [self]
+        return self.states_in_tree() if recurse else [self]
 
