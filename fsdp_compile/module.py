@@ -9,6 +9,7 @@ from typing import Any, Callable, overload
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.nn.utils.stateless import _reparametrize_module
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_compile.api import BackwardPrefetch, CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -23,7 +24,7 @@ from fsdp_compile.state import FSDPState, all_states_under, state_of
 from fsdp_compile.structures import map_tensors
 from fsdp_compile.state_dict import register_state_dict_hooks
 from fsdp_compile import config
-from fsdp_compile.traceable import BOUND_PARAMS_ATTR, install_traced_param_access
+from fsdp_compile.traceable import install_traced_param_access
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx"]
 
@@ -424,13 +425,29 @@ def _check_comm(comm: Any, method: str, label: str) -> None:
 
 def _run_block_with(module: nn.Module, unsharded: list[torch.Tensor], args: tuple, kwargs: dict) -> Any:
     """The block's own forward, with its parameter reads returning ``unsharded`` (see the note)."""
-    module.__dict__[BOUND_PARAMS_ATTR] = unsharded
-    output = super(FSDPModule, module).forward(*args, **kwargs)  # type: ignore[misc]
-    module.__dict__[BOUND_PARAMS_ATTR] = None
+    # One entry per submodule registering group parameters (a tied parameter under each name).
+    placements: dict[nn.Module, dict[str, torch.Tensor]] = {}
+    for fsdp_param in module._fsdp_state().group.fsdp_params:  # type: ignore[operator]
+        for ref in fsdp_param.refs:
+            placements.setdefault(ref.module, {})[ref.name] = unsharded[fsdp_param.index_in_group]
+    output = _forward_reparametrized(module, list(placements.items()), args, kwargs)
     # A region may not return its inputs or views of them (a residual passed through, a skip
     # connection in a returned structure): fresh outputs, which Inductor writes in the producing
     # kernel rather than as a separate copy where it can.
     return map_tensors(torch.clone, output)
+
+
+def _forward_reparametrized(
+    module: nn.Module, placements: list[tuple[nn.Module, dict[str, torch.Tensor]]], args: tuple, kwargs: dict
+) -> Any:
+    """``module``'s own forward with each submodule's parameters replaced by the given tensors;
+    nested contexts, one per submodule, because Dynamo exempts only the reparametrized module's
+    own parameter dict from its side-effect check."""
+    if not placements:
+        return super(FSDPModule, module).forward(*args, **kwargs)  # type: ignore[misc]
+    owner, tensors = placements[0]
+    with _reparametrize_module(owner, tensors):
+        return _forward_reparametrized(module, placements[1:], args, kwargs)
 
 
 # [Note: compile once per block]
@@ -440,9 +457,19 @@ def _run_block_with(module: nn.Module, unsharded: list[torch.Tensor], args: tupl
 # its body once, and every structurally identical block reuses it (invoke_subgraph), through
 # AOTAutograd and Inductor. The block's all-gathers stay in the outer graph: the block forward
 # first traces each parameter's unshard (annotated all-gather) there, then calls the region with
-# the unsharded parameters as inputs; inside, the parameter reads return those inputs (the bound
-# list on the module). So the region holds no collective and nothing that tells blocks apart, and
-# the graph passes still bucket and reorder every all-gather and reduce-scatter across blocks.
+# the unsharded parameters as inputs; inside, the parameter reads return those inputs. So the
+# region holds no collective and nothing that tells blocks apart, and the graph passes still bucket
+# and reorder every all-gather and reduce-scatter across blocks.
+#
+# The inputs are placed with torch.nn.utils.stateless._reparametrize_module, once per submodule that
+# registers a group parameter (the read's property returns a registered tensor that is not an
+# nn.Parameter as is). Dynamo knows that context: it swaps the module's parameter dict for the
+# body's trace and does not count it as a side effect, so the traced body is eligible for Dynamo's
+# own reuse. Each later block re-evaluates the body's guards on its own sources (its submodules'
+# attributes, training flags, parameter names) and, when they hold, stamps out the traced body
+# instead of tracing it again; a block that differs is traced on its own. Writing the inputs onto
+# the module any other way (an attribute, a global) is a side effect, and Dynamo then traces the
+# body once per block.
 #
 # A resharding block (reshard_after_forward=True, the default) is a region too. The region's own
 # partition saves the unsharded parameters its backward needs by returning them (or views of them)

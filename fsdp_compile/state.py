@@ -24,7 +24,7 @@ from fsdp_compile.api import BackwardPrefetch, MixedPrecisionPolicy
 from fsdp_compile.comm_context import CommContext
 from fsdp_compile.param_group import FSDPParamGroup, TrainingState
 from fsdp_compile.structures import map_tensors, tensors_in
-from fsdp_compile.traceable import BOUND_PARAMS_ATTR, trace_annotation, unshard_for_trace
+from fsdp_compile.traceable import trace_annotation, unshard_for_trace
 
 if TYPE_CHECKING:
     from fsdp_compile.param import FSDPParam
@@ -229,11 +229,6 @@ class FSDPState:
             refused.append(f"set_separate_reduce_scatter_group: the compiled graph reduce-scatters over the shard group; {alternative}")
         return refused
 
-    def bound_params(self) -> list[torch.Tensor] | None:
-        """The unsharded parameters a block's nested compile region runs with, while it runs
-        (traced, or eagerly when Dynamo fell back on the region's body)."""
-        return self.modules[0].__dict__.get(BOUND_PARAMS_ATTR)
-
     def traced_unshard(self, fsdp_params: "list[FSDPParam]", first_place: bool = True) -> list[torch.Tensor]:
         """What reads of ``fsdp_params`` (this group's) trace to under torch.compile; see traceable.py.
 
@@ -244,9 +239,6 @@ class FSDPState:
         """
         group = self.group
         assert group is not None
-        bound = self.bound_params()
-        if bound is not None:  # inside the block's region: the unsharded parameters are inputs
-            return [bound[fsdp_param.index_in_group] for fsdp_param in fsdp_params]
         if self.settings_refused_when_compiled():
             pass  # the branch makes Dynamo guard on the settings; admit_traced_parameters refuses them
         spec = group.reduce_spec

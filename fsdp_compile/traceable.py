@@ -5,7 +5,9 @@ Every module holding a managed parameter gets a class with one property per para
 (installed by ``fully_shard``; the state-dict FQNs are untouched since the parameter stays in
 ``_parameters``). Eagerly the property returns whatever the hooks registered (sharded DTensor
 or unsharded tensor). While Dynamo traces (and ``config.skip_fsdp_hooks`` is off) the hooks
-stand aside and the property returns ``unshard(sharded)`` instead:
+stand aside and the property returns ``unshard(sharded)`` instead (inside a block's nested
+compile region, where the unsharded parameter is registered as a plain tensor, that tensor:
+[Note: compile once per block] in module.py):
 
     local shard --pad--> --cast param_dtype--> all_gather --wait--> [:size] --> full parameter
     grad shard <--cast orig-- /post <--wait-- reduce_scatter(sum) <-- /pre <--cast reduce_dtype-- grad
@@ -33,7 +35,7 @@ if TYPE_CHECKING:
     from fsdp_compile.mesh import TensorParallelLayout
 
 __all__ = [
-    "trace_annotation", "unshard_for_trace", "install_traced_param_access", "FSDP_ANNOTATION_KEY", "BOUND_PARAMS_ATTR",
+    "trace_annotation", "unshard_for_trace", "install_traced_param_access", "FSDP_ANNOTATION_KEY",
     "TRACED_OP_DECOMPOSITIONS",
 ]
 
@@ -247,24 +249,21 @@ def _unshard_local(
 
 
 _TRACED_PARAMS_ATTR = "_fsdp_compile_traced_params"
-# On a block's module while its nested compile region is traced: the unsharded parameters, in
-# group order. See [Note: compile once per block] in module.py.
-BOUND_PARAMS_ATTR = "_fsdp_compile_bound_params"
 _property_classes: dict[tuple[type, frozenset[str]], type] = {}
 
 
 def _param_property(name: str) -> property:
     def read(module: torch.nn.Module) -> torch.Tensor:
         fsdp_param, state = module.__dict__[_TRACED_PARAMS_ATTR][name]
+        registered = module._parameters[name]
         if state.per_block_compiled:  # FSDP2's recipe: the hooks registered the unsharded parameter
-            return module._parameters[name]
+            return registered
+        if not isinstance(registered, torch.nn.Parameter):  # a block region's input, see module.py
+            return registered
         if torch.compiler.is_compiling() and not config.skip_fsdp_hooks:
             first = fsdp_param.refs[0]
             return state.traced_unshard([fsdp_param], first_place=first.module is module and first.name == name)[0]
-        bound = state.bound_params()
-        if bound is not None:  # a block region's body run eagerly: its inputs are the parameters
-            return bound[fsdp_param.index_in_group]
-        return module._parameters[name]
+        return registered
 
     return property(read, doc=f"FSDP-managed parameter '{name}' (see [Note: parameter reads under torch.compile])")
 

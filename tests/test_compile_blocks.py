@@ -11,6 +11,7 @@ import operator
 import pytest
 import torch
 import torch.distributed as dist
+from torch._dynamo.utils import compilation_time_metrics
 
 from fsdp_compile import MixedPrecisionPolicy, fully_shard
 from fsdp_compile.backend import observe_graphs
@@ -173,6 +174,7 @@ def _whole_model_regions(layers: int, backend: str, reshard_blocks: bool):
     reference = Transformer(config)
     eager = _shard(copy.deepcopy(reference), MixedPrecisionPolicy(), reshard_blocks=reshard_blocks)
     compiled = _shard(copy.deepcopy(reference), MixedPrecisionPolicy(), reshard_blocks=reshard_blocks)
+    body_traces_before = len(compilation_time_metrics.get("invoke_subgraph_trace", []))
     with observe_graphs() as graphs:
         runner = torch.compile(compiled, backend=backend)
         optimizer = torch.optim.SGD(compiled.parameters(), lr=0.1)
@@ -201,6 +203,8 @@ def _whole_model_regions(layers: int, backend: str, reshard_blocks: bool):
             fsdp_annotation(n)[GROUP_KEY] for n in backward.graph.nodes if n.target is ALL_GATHER and fsdp_annotation(n)
         ),
         "region_calls": len(calls),
+        # Dynamo's traces of a region body (each later block stamps out the traced one).
+        "dynamo_body_traces": len(compilation_time_metrics.get("invoke_subgraph_trace", [])) - body_traces_before,
         "distinct_bodies": len(bodies),
         "all_gathers_before_first_region": sum("all_gather" in str(n.target) for n in order[:first_region]),
         "eager_losses": eager_losses,
@@ -216,6 +220,8 @@ def test_whole_model_compiles_a_block_body_once(dist, layers, reshard_blocks):
     # One body for all blocks; the first block's input carries no gradient, so its backward may
     # be partitioned apart (a second body), never one per block.
     assert result["distinct_bodies"] <= 2, result
+    # Dynamo traces the body once: every later block stamps it out (invoke_subgraph's reuse).
+    assert result["dynamo_body_traces"] == 1, result
     # Bucketed per group: the root's, block 0's and block 1's all-gathers go out before block 0 runs.
     assert result["all_gathers_before_first_region"] == 3, result
     if reshard_blocks:
