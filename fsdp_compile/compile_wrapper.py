@@ -3,27 +3,30 @@
 ``torch.compile(model)`` returns a wrapper (``OptimizedModule``) that holds the model as its child
 ``_orig_mod``, so nn.Module would prefix every key with ``_orig_mod.``. A global
 module-registration hook (installed by the first ``fully_shard``) sees a wrapper adopt a model
-with ``fully_shard`` modules and gives the wrapper two hooks: after save, strip the prefix; before
-load, add it to keys that lack it. Both spellings load; ``get_state_dict`` / ``set_state_dict`` and
-``model.compile()`` (in place, no wrapper) give the original names as well.
+with ``fully_shard`` modules and gives the wrapper its own ``state_dict``, which strips the prefix,
+and a load pre-hook, which adds it to keys that lack it. Both spellings load; ``get_state_dict`` /
+``set_state_dict`` and ``model.compile()`` (in place, no wrapper) give the original names as well.
 
 DCP's ``get_model_state_dict`` is the one caller that must get the keys as nn.Module makes them:
-it maps the wrapper's keys to FQNs itself and asserts that the prefix is there. It is recognised
-by being the direct caller of the wrapper's ``state_dict()`` (``_called_by_dcp``).
+it maps the wrapper's keys to FQNs itself and asserts that the prefix is there. DCP has its own
+registry for that: it calls the class's ``state_dict`` in place of an instance's ``state_dict``
+listed in ``torch.distributed.checkpoint.state_dict._patched_state_dict`` (the registry of its
+``_patch_model_state_dict``), so the wrapper's renaming ``state_dict`` is listed there.
 """
 from __future__ import annotations
 
 import functools
-import sys
+import weakref
 
 import torch
 import torch.nn as nn
 
 from fsdp_compile.state import all_states_under
 
-__all__ = ["install_compile_wrapper_hook"]
+__all__ = ["install_compile_wrapper_hook", "COMPILE_WRAPPER_PREFIX"]
 
 _COMPILE_WRAPPER_CHILD = "_orig_mod"
+COMPILE_WRAPPER_PREFIX = _COMPILE_WRAPPER_CHILD + "."
 
 
 @functools.cache
@@ -43,28 +46,32 @@ def _on_module_registered(parent: nn.Module, name: str, child: nn.Module | None)
         return
     if not all_states_under([child]):
         return
-    parent.register_state_dict_post_hook(_strip_compile_wrapper_prefix)
+    from torch.distributed.checkpoint import state_dict as dcp_state_dict
+
+    bypassed_by_dcp = getattr(dcp_state_dict, "_patched_state_dict", None)
+    if bypassed_by_dcp is None:  # a torch without DCP's registry: keep nn.Module's prefixed keys
+        return
+    parent.state_dict = _state_dict_under_original_names(parent)
+    bypassed_by_dcp.add(parent.state_dict)
     parent.register_load_state_dict_pre_hook(_add_compile_wrapper_prefix)
 
 
-def _called_by_dcp() -> bool:
-    """Whether the ``state_dict()`` call running this post-hook came straight from DCP's helper."""
-    from torch.distributed.checkpoint import state_dict as dcp_state_dict
+def _state_dict_under_original_names(wrapper: nn.Module):
+    """``wrapper.state_dict`` with nn.Module's arguments, its keys without the wrapper's prefix.
+    It holds the wrapper weakly: DCP's registry keeps it for the life of the process."""
+    wrapper_ref = weakref.ref(wrapper)
 
-    helper = getattr(dcp_state_dict, "_get_model_state_dict", None)
-    if helper is None:
-        return False
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code is not nn.Module.state_dict.__code__:
-        frame = frame.f_back  # up to nn.Module.state_dict, which runs the post-hooks
-    caller = frame.f_back if frame is not None else None
-    return caller is not None and caller.f_code is getattr(helper, "__wrapped__", helper).__code__
+    def state_dict(*args, destination=None, prefix: str = "", keep_vars: bool = False):
+        wrapper = wrapper_ref()
+        destination = type(wrapper).state_dict(wrapper, *args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        _strip_compile_wrapper_prefix(destination, args[1] if len(args) > 1 else prefix)
+        return destination
+
+    return state_dict
 
 
-def _strip_compile_wrapper_prefix(module: nn.Module, destination: dict, prefix: str, local_metadata: dict) -> None:
-    if _called_by_dcp():
-        return
-    wrapped = prefix + _COMPILE_WRAPPER_CHILD + "."
+def _strip_compile_wrapper_prefix(destination: dict, prefix: str) -> None:
+    wrapped = prefix + COMPILE_WRAPPER_PREFIX
     entries = list(destination.items())
     destination.clear()  # re-inserted below, so the keys keep their order
     for key, value in entries:
@@ -86,7 +93,7 @@ def _add_compile_wrapper_prefix(
     module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, strict: bool,
     missing_keys: list, unexpected_keys: list, error_msgs: list,
 ) -> None:
-    wrapped = prefix + _COMPILE_WRAPPER_CHILD + "."
+    wrapped = prefix + COMPILE_WRAPPER_PREFIX
     for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(wrapped)]:
         state_dict[wrapped + key[len(prefix):]] = state_dict.pop(key)
     metadata = getattr(state_dict, "_metadata", None)

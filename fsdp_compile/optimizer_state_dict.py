@@ -45,13 +45,11 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
 from fsdp_compile.api import OptimStateKeyType, StateDictSettings, StateDictType
+from fsdp_compile.compile_wrapper import COMPILE_WRAPPER_PREFIX
 from fsdp_compile.state import all_states_under
 from fsdp_compile.state_dict import get_state_dict_type
 
 __all__ = ["optim_state_dict", "optim_state_dict_to_load", "rekey_optim_state_dict"]
-
-_COMPILE_WRAPPER_PREFIX = "_orig_mod."
-
 
 def optim_state_dict(
     model: nn.Module,
@@ -183,7 +181,7 @@ def _parameter_order(model: nn.Module, optim: torch.optim.Optimizer) -> list[str
     """The FQN of each of ``optim``'s parameters, in the optimizer's order (its ``PARAM_ID``s)."""
     names: dict[int, str] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), name.replace(_COMPILE_WRAPPER_PREFIX, ""))
+        names.setdefault(id(param), name.replace(COMPILE_WRAPPER_PREFIX, ""))
     order = []
     for group in optim.param_groups:
         for param in group["params"]:
