@@ -4,11 +4,11 @@ optimizer built too early; each under fsdp_inductor against our eager runtime.""
 from __future__ import annotations
 
 import copy
-import functools
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from fsdp_compile import fully_shard
@@ -119,23 +119,36 @@ def test_optimizer_built_before_fully_shard_fails_at_its_first_step_naming_the_f
 # --- the loops people write, under fsdp_inductor -----------------------------------------------------
 
 
-class _SkippingTransformer(Transformer):
-    """The Transformer with each block's feed-forward checkpointed (inside the block, use_reentrant=False)
-    and a set of blocks to skip (the same on every rank)."""
+class _CheckpointedBlock(nn.Module):
+    """A residual block whose feed-forward runs checkpointed inside it (use_reentrant=False)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.feed_forward = nn.Sequential(nn.Linear(dim, 2 * dim), nn.SiLU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + checkpoint(self.feed_forward, x, use_reentrant=False)
+
+
+class _SkippingLM(nn.Module):
+    """An embedding, checkpointed blocks and a head, with a set of blocks to skip (the same on every
+    rank). Small on purpose: what the loops exercise is FSDP's compiled path (Inductor's numerics
+    on a transformer are test_compile.py's), and each graph variant below is an Inductor compile."""
 
     skip: frozenset = frozenset()
 
-    def __init__(self, config: TransformerConfig) -> None:
-        super().__init__(config)
-        for layer in self.layers:
-            layer.feed_forward.forward = functools.partial(checkpoint, layer.feed_forward.forward, use_reentrant=False)
+    def __init__(self, vocab_size: int = TINY.vocab_size, dim: int = 16, n_layers: int = 2) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab_size, dim)
+        self.layers = nn.ModuleList(_CheckpointedBlock(dim) for _ in range(n_layers))
+        self.output = nn.Linear(dim, vocab_size)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.tok_embeddings(tokens)
         for index, layer in enumerate(self.layers):
             if index not in self.skip:
-                x = layer(x, self.rope_cos, self.rope_sin)
-        return self.output(self.norm(x))
+                x = layer(x)
+        return self.output(x)
 
 
 def _training_loops():
@@ -143,7 +156,7 @@ def _training_loops():
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     torch.manual_seed(0)
-    reference = _SkippingTransformer(TINY)
+    reference = _SkippingLM()
     eager, compiled = shard_model(copy.deepcopy(reference), fully_shard), shard_model(copy.deepcopy(reference), fully_shard)
     runner = torch.compile(compiled, backend="fsdp_inductor")
     figures = {"eager": {}, "compiled": {}}
