@@ -29,7 +29,7 @@ import torch.fx as fx
 from fsdp_compile.config import PassConfig
 from fsdp_compile.passes.graph import (
     ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BUCKET_KEY, COLLECTIVE_NAMES, COLLECTIVES, FORCE_STRIDE, FSDP_ANNOTATION_KEY, GROUP_KEY,
-    GROUPS_KEY, PARAM_KEY, PARAMS_KEY, REDUCE_SCATTER, RESHARD_AFTER_FORWARD_KEY, WAIT, collective_nodes,
+    GRADIENT_REDUCTIONS, GROUPS_KEY, PARAM_KEY, PARAMS_KEY, REDUCE_SCATTER, RESHARD_AFTER_FORWARD_KEY, WAIT, collective_nodes,
     fsdp_annotation, give_up, single_wait,
 )
 
@@ -152,7 +152,7 @@ def _collect(graph: fx.Graph, target: Any, config: PassConfig) -> list[_Bucket]:
         member, key = found
         buckets.setdefault(key, _Bucket(key, [group])).members.append(member)
     ordered = list(buckets.values())
-    if target in (REDUCE_SCATTER, ALL_TO_ALL):  # a reduction bucket goes out after its last gradient
+    if target in GRADIENT_REDUCTIONS:  # a reduction bucket goes out after its last gradient
         position = {n: i for i, n in enumerate(graph.nodes)}
         ordered.sort(key=lambda b: max(position[m.collective] for m in b.members))
     return _merge_small(ordered, config)
@@ -316,7 +316,7 @@ def bucket_collectives(gm: fx.GraphModule, config: PassConfig) -> fx.GraphModule
     changed = False
     for bucket in _collect(graph, ALL_GATHER, config):
         changed |= _bucket_all_gather(graph, bucket)
-    for target in (REDUCE_SCATTER, ALL_TO_ALL):
+    for target in GRADIENT_REDUCTIONS:
         for bucket in _collect(graph, target, config):
             changed |= _bucket_reduction(graph, bucket)
     if changed:

@@ -27,7 +27,7 @@ from fsdp_compile.annotations import (
 __all__ = [
     "ALL_TO_ALL",
     "FSDP_ANNOTATION_KEY", "GROUP_KEY", "PARAM_KEY", "RESHARD_AFTER_FORWARD_KEY", "STATE_KEY", "BUCKET_KEY", "GROUPS_KEY", "PARAMS_KEY",
-    "ALL_GATHER", "REDUCE_SCATTER", "ALL_REDUCE", "WAIT", "COLLECTIVES", "COLLECTIVE_NAMES", "FORCE_STRIDE",
+    "ALL_GATHER", "REDUCE_SCATTER", "ALL_REDUCE", "WAIT", "COLLECTIVES", "GRADIENT_REDUCTIONS", "COLLECTIVE_NAMES", "FORCE_STRIDE",
     "collective_nodes", "single_wait", "fsdp_annotation", "is_tangent", "graph_kind", "is_view", "is_copy",
     "tensor_bytes", "collective_bytes", "inflight_collectives", "inflight_bytes", "max_inflight_bytes",
     "pass_counters", "give_up",
@@ -41,6 +41,9 @@ ALL_REDUCE = _c10d.all_reduce.default  # HSDP: the reduced shard across replicas
 ALL_TO_ALL = _c10d.all_to_all_single.default  # CommPolicy's gradient wire (the reduce-scatter's stand-in)
 WAIT = _c10d.wait_tensor.default
 COLLECTIVES = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, ALL_TO_ALL)  # what issues work that a WAIT completes
+# The reductions of gradients: a reduce-scatter, or CommPolicy's low-precision wire (an all-to-all
+# whose received chunks each rank sums); both issue after their bucket's last gradient.
+GRADIENT_REDUCTIONS = (REDUCE_SCATTER, ALL_TO_ALL)
 COLLECTIVE_NAMES = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_REDUCE: "all_reduce", ALL_TO_ALL: "all_to_all"}
 
 

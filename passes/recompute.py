@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from fsdp_compile.passes.graph import RESHARD_AFTER_FORWARD_KEY, fsdp_annotation, is_tangent, is_view
+from fsdp_compile.passes.graph import RESHARD_AFTER_FORWARD_KEY, fsdp_annotation, give_up, is_tangent, is_view
 
 __all__ = ["tag_reshard_after_forward_for_recompute", "read_region_saved_inputs_directly"]
 
@@ -84,6 +84,10 @@ def read_region_saved_inputs_directly(graph: fx.Graph) -> int:
             if chain is None:
                 continue
             if any(arg not in operand for view, inner in zip(chain[1:], chain) for arg in view.all_input_nodes if arg is not inner):
+                give_up(
+                    "recompute", "region %s returns a view of its input %s sized inside its body; it stays saved for backward",
+                    call.args[1], chain[0].name,
+                )
                 continue
             outside = operand[chain[0]]
             with graph.inserting_before(call):

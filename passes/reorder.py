@@ -51,13 +51,9 @@ import torch.fx as fx
 
 from fsdp_compile.config import PassConfig
 from fsdp_compile.passes.graph import (
-    ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COLLECTIVES, GROUP_KEY, REDUCE_SCATTER, WAIT, collective_bytes,
+    ALL_GATHER, ALL_REDUCE, COLLECTIVES, GRADIENT_REDUCTIONS, GROUP_KEY, WAIT, collective_bytes,
     collective_nodes, fsdp_annotation, give_up, single_wait,
 )
-
-# The reductions of gradients: a reduce-scatter, or CommPolicy's low-precision wire (an all-to-all
-# whose received chunks each rank sums); both issue after their bucket's last gradient.
-_REDUCTIONS = (REDUCE_SCATTER, ALL_TO_ALL)
 
 __all__ = ["reorder_collectives"]
 
@@ -84,7 +80,7 @@ def _wait_block(collective: fx.Node, position: dict[fx.Node, int]) -> list[fx.No
     frontier = [wait]
     while frontier:
         for user in frontier.pop().users:
-            if user in block or user.op != "call_function" or user.target in (ALL_GATHER, *_REDUCTIONS):
+            if user in block or user.op != "call_function" or user.target in (ALL_GATHER, *GRADIENT_REDUCTIONS):
                 continue
             if user.is_impure() and user.target not in (ALL_REDUCE, WAIT):
                 continue
@@ -116,7 +112,7 @@ def _collectives(graph: fx.Graph) -> list[_Collective] | None:
     gathers = 0
     units: dict[object, int] = {}
     position = {node: i for i, node in enumerate(graph.nodes)}
-    candidates = [*collective_nodes(graph, ALL_GATHER), *(n for target in _REDUCTIONS for n in collective_nodes(graph, target))]
+    candidates = [*collective_nodes(graph, ALL_GATHER), *(n for target in GRADIENT_REDUCTIONS for n in collective_nodes(graph, target))]
     for node in sorted(candidates, key=position.__getitem__):
         if fsdp_annotation(node) is None:
             continue  # not FSDP's (tensor parallelism's own): left where its code put it
@@ -183,8 +179,8 @@ class _Scheduler:
             if collective is not None:
                 collective.issued = True
                 self.in_flight.append(collective)
-                while sum(c.node.target in _REDUCTIONS for c in self.in_flight) > self.depth:
-                    self._emit_wait(next(c for c in self.in_flight if c.node.target in _REDUCTIONS))
+                while sum(c.node.target in GRADIENT_REDUCTIONS for c in self.in_flight) > self.depth:
+                    self._emit_wait(next(c for c in self.in_flight if c.node.target in GRADIENT_REDUCTIONS))
             self._prefetch()
         return self.order
 

@@ -71,7 +71,7 @@ def test_reshard_after_forward_groups_re_all_gather_instead_of_saving(fake_world
     # The root keeps its parameters (reshard_after_forward=None means False for the root): saved.
     assert "Transformer" in saved
     # The default passes ran on these graphs (bucket, reorder) and took every group.
-    assert pass_counters["bucket.gave_up"] == pass_counters["reorder.gave_up"] == 0
+    assert pass_counters["bucket.gave_up"] == pass_counters["reorder.gave_up"] == pass_counters["recompute.gave_up"] == 0
 
 
 @pytest.mark.parametrize("fake_world", [8], indirect=True)  # a trace of its own; what is saved is not about scale
@@ -80,7 +80,7 @@ def test_root_with_reshard_after_forward_true_saves_nothing_unsharded(fake_world
     assert _saved_all_gather_outputs(forward) == []
     regathered = {fsdp_annotation(n)[GROUP_KEY] for n in _ops(backward, "all_gather_into_tensor")}
     assert regathered == {"Transformer", "layers.0", "layers.1"}
-    assert pass_counters["bucket.gave_up"] == pass_counters["reorder.gave_up"] == 0
+    assert pass_counters["bucket.gave_up"] == pass_counters["reorder.gave_up"] == pass_counters["recompute.gave_up"] == 0
 
 
 def _graph(*ops: str, sub: torch.fx.GraphModule | None = None) -> torch.fx.GraphModule:

@@ -412,6 +412,7 @@ def test_triton_rejects_float64(interpreted):
 
 
 def test_compiled_triton_rejects_cpu_tensors():
+    pytest.importorskip("triton")
     from fsdp_compile.kernels import triton_impl
 
     if triton_impl.INTERPRETED:
@@ -421,6 +422,7 @@ def test_compiled_triton_rejects_cpu_tensors():
 
 
 def test_importing_kernels_registers_triton_as_the_cuda_implementation():
+    pytest.importorskip("triton")
     import fsdp_compile.kernels  # noqa: F401
     from fsdp_compile.kernels import triton_impl
 
