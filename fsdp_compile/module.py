@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
+import sys
 import warnings
 from typing import Any, Callable, overload
 
@@ -74,7 +76,7 @@ class FSDPModule:
             state = self._fsdp_state()
             if state.compiles_as_region:
                 unsharded = state.traced_unshard(state.group.fsdp_params)
-                return _block_region(self, unsharded, args, kwargs)
+                return _block_region(self, unsharded, args, kwargs, _reuse_marker())
         elif self._fsdp_state().hooks_stood_aside():
             return self._forward_with_eager_hooks(args, kwargs)
         return super().forward(*args, **kwargs)  # type: ignore[misc]
@@ -423,8 +425,9 @@ def _check_comm(comm: Any, method: str, label: str) -> None:
         )
 
 
-def _run_block_with(module: nn.Module, unsharded: list[torch.Tensor], args: tuple, kwargs: dict) -> Any:
-    """The block's own forward, with its parameter reads returning ``unsharded`` (see the note)."""
+def _run_block_with(module: nn.Module, unsharded: list[torch.Tensor], args: tuple, kwargs: dict, reuse: object) -> Any:
+    """The block's own forward, with its parameter reads returning ``unsharded`` (see the note).
+    ``reuse`` is ``_reuse_marker()``'s: it only steers Dynamo's reuse of the traced body."""
     # One entry per submodule registering group parameters (a tied parameter under each name).
     placements: dict[nn.Module, dict[str, torch.Tensor]] = {}
     for fsdp_param in module._fsdp_state().group.fsdp_params:  # type: ignore[operator]
@@ -478,7 +481,37 @@ def _forward_reparametrized(
 # region's input instead (the view taken outside), so the outer partition sees the unshard chain
 # feed that backward and replays it there, re-all-gathering in backward as an inlined block does
 # (tests/test_compile_blocks.py checks what is saved and what is gathered again).
-_block_region = torch.compiler.nested_compile_region(_run_block_with)
+#
+# Dynamo's reuse has two limits that would crash a training job, so the region steers around them
+# ([Note: where Dynamo's body reuse stops]).
+_block_region = torch.compiler.nested_compile_region(
+    _run_block_with,
+    **({"max_reuse_entries": sys.maxsize} if "max_reuse_entries" in inspect.signature(torch.compiler.nested_compile_region).parameters else {}),
+)
+
+
+# [Note: where Dynamo's body reuse stops]
+# 1. Dynamo keeps one reuse entry per distinct block structure it traced and raises once a region
+#    has more than ``max_reuse_entries`` (8 by default): a model whose blocks differ in anything
+#    their forward reads (a per-layer index or window, say) would fail at its ninth block. A model
+#    has at most as many structures as blocks, so the region takes no bound.
+# 2. With ``torch.compile(dynamic=True)`` every dim starts symbolic, and the first block's trace
+#    specializes some of them (the hidden size, against the static weights). torch 2.13's stamp-out
+#    of a reused body then looks up the specialized symbols as integers and fails (``KeyError: 16``
+#    in stamp_out_subgraph, seen on the Transformer). There each block passes a marker object, an
+#    argument kind Dynamo's reuse does not take: it traces each block's body on its own, as before
+#    reuse, and AOTAutograd and Inductor still compile identical bodies once. With the default
+#    ``dynamic=None`` only the dims that changed turn symbolic (batch, sequence) and reuse stays on.
+class _TraceOnItsOwn:
+    """Passed to a block region: Dynamo does not reuse a traced body across calls taking one."""
+
+
+_TRACE_ON_ITS_OWN = _TraceOnItsOwn()
+
+
+def _reuse_marker() -> object:
+    """``None`` (reuse the traced body) or the marker; see [Note: where Dynamo's body reuse stops]."""
+    return None if torch._dynamo.config.assume_static_by_default else _TRACE_ON_ITS_OWN
 
 
 def _user_class(cls: type) -> type:

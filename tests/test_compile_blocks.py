@@ -11,11 +11,12 @@ import operator
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch._dynamo.utils import compilation_time_metrics
 
 from fsdp_compile import MixedPrecisionPolicy, fully_shard
 from fsdp_compile.backend import observe_graphs
-from fsdp_compile.passes.graph import ALL_GATHER, GROUP_KEY, fsdp_annotation
+from fsdp_compile.passes.graph import ALL_GATHER, GROUP_KEY, fsdp_annotation, pass_counters
 from fsdp_compile.models import Transformer, TransformerConfig, next_token_loss
 from test_compile_graphs import _saved_all_gather_outputs
 
@@ -175,6 +176,7 @@ def _whole_model_regions(layers: int, backend: str, reshard_blocks: bool):
     eager = _shard(copy.deepcopy(reference), MixedPrecisionPolicy(), reshard_blocks=reshard_blocks)
     compiled = _shard(copy.deepcopy(reference), MixedPrecisionPolicy(), reshard_blocks=reshard_blocks)
     body_traces_before = len(compilation_time_metrics.get("invoke_subgraph_trace", []))
+    pass_counters.clear()
     with observe_graphs() as graphs:
         runner = torch.compile(compiled, backend=backend)
         optimizer = torch.optim.SGD(compiled.parameters(), lr=0.1)
@@ -203,6 +205,7 @@ def _whole_model_regions(layers: int, backend: str, reshard_blocks: bool):
             fsdp_annotation(n)[GROUP_KEY] for n in backward.graph.nodes if n.target is ALL_GATHER and fsdp_annotation(n)
         ),
         "region_calls": len(calls),
+        "passes_gave_up": {name: count for name, count in pass_counters.items() if count},
         # Dynamo's traces of a region body (each later block stamps out the traced one).
         "dynamo_body_traces": len(compilation_time_metrics.get("invoke_subgraph_trace", [])) - body_traces_before,
         "distinct_bodies": len(bodies),
@@ -217,6 +220,7 @@ def _whole_model_regions(layers: int, backend: str, reshard_blocks: bool):
 def test_whole_model_compiles_a_block_body_once(dist, layers, reshard_blocks):
     result = dist.run(2, _whole_model_regions, layers, "fsdp_aot_eager", reshard_blocks)[0]
     assert result["region_calls"] == layers
+    assert result["passes_gave_up"] == {}, result
     # One body for all blocks; the first block's input carries no gradient, so its backward may
     # be partitioned apart (a second body), never one per block.
     assert result["distinct_bodies"] <= 2, result
@@ -238,6 +242,7 @@ def test_whole_model_compiles_a_block_body_once(dist, layers, reshard_blocks):
 def test_whole_model_regions_under_inductor_match_eager(dist):
     result = dist.run(2, _whole_model_regions, 2, "fsdp_inductor", True)[0]
     assert result["region_calls"] == 2 and result["distinct_bodies"] <= 2
+    assert result["passes_gave_up"] == {}, result
     assert result["region_inputs_saved"] == 0 and result["regathered_groups"] == ["layers.0", "layers.1"], result
     for eager, compiled in zip(result["eager_losses"], result["compiled_losses"]):
         assert abs(eager - compiled) <= 1e-5 * abs(eager), result
@@ -288,6 +293,49 @@ def test_whole_model_frames_run_eagerly_get_the_eager_hooks_and_train_like_eager
         assert "fsdp_compile: the forward of 'layers.0' ran eagerly inside a" not in result["warnings"], result
     else:  # the whole frame ran eagerly, hooks included: nothing stood aside
         assert result["warnings"] == [], result
+
+
+class _IndexedBlock(nn.Module):
+    """A block whose forward reads its own layer index: every block is a structure of its own."""
+
+    def __init__(self, layer_id: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+        self.layer_id = layer_id
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.proj(x)) / (self.layer_id + 1)
+
+
+def _whole_model_past_dynamos_reuse_limits(case: str):
+    """[Note: where Dynamo's body reuse stops] in module.py: twelve blocks of twelve structures
+    (Dynamo keeps at most 8 reuse entries by default), and ``dynamic=True`` (every dim symbolic)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    reference = Transformer(TransformerConfig(vocab_size=32, dim=16, n_layers=12 if case == "twelve_structures" else 2, n_heads=2, max_seq_len=16))
+    if case == "twelve_structures":
+        reference.layers = nn.ModuleList(_IndexedBlock(i) for i in range(12))
+    eager, compiled = _shard(copy.deepcopy(reference), MixedPrecisionPolicy()), _shard(copy.deepcopy(reference), MixedPrecisionPolicy())
+    body_traces_before = len(compilation_time_metrics.get("invoke_subgraph_trace", []))
+    runner = torch.compile(compiled, backend="fsdp_aot_eager", dynamic=True if case == "dynamic" else None)
+    seqs = (12, 8, 12)
+    compiled_losses = _train(runner, len(seqs), seqs=seqs)
+    return {
+        "eager_losses": _train(eager, len(seqs), seqs=seqs),
+        "compiled_losses": compiled_losses,
+        "param_gap": _param_gap(eager, compiled),
+        "dynamo_body_traces": len(compilation_time_metrics.get("invoke_subgraph_trace", [])) - body_traces_before,
+    }
+
+
+@pytest.mark.parametrize("case", ["twelve_structures", "dynamic"])
+def test_whole_model_past_dynamos_reuse_limits_traces_each_block_and_trains_like_eager(dist, case):
+    result = dist.run(2, _whole_model_past_dynamos_reuse_limits, case)[0]
+    for eager, compiled in zip(result["eager_losses"], result["compiled_losses"]):
+        assert abs(eager - compiled) <= 1e-5 * abs(eager), result
+    assert result["param_gap"] < 1e-5, result
+    # Each block's body traced on its own (once per compile: the first step's, then the dynamic one).
+    assert result["dynamo_body_traces"] >= (12 if case == "twelve_structures" else 2), result
 
 
 def _one_compiled_step_of_tiny_lm(cache_dir: str) -> tuple[float, dict[str, int]]:
