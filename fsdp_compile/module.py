@@ -11,7 +11,6 @@ from typing import Any, Callable, overload
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.nn.utils.stateless import _reparametrize_module
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_compile.api import BackwardPrefetch, CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -20,7 +19,7 @@ from fsdp_compile.mesh import (
     separate_group_of, tensor_parallel_layout,
 )
 from fsdp_compile.optimizer_check import install_optimizer_check, mark_replaced
-from fsdp_compile.param import FSDPParam, ParamRef
+from fsdp_compile.param import FSDPParam, ParamRef, parameters_placed_for_trace
 from fsdp_compile.param_group import FSDPParamGroup
 from fsdp_compile.state import FSDPState, all_states_under, state_of
 from fsdp_compile.structures import map_tensors
@@ -449,7 +448,7 @@ def _forward_reparametrized(
     if not placements:
         return super(FSDPModule, module).forward(*args, **kwargs)  # type: ignore[misc]
     owner, tensors = placements[0]
-    with _reparametrize_module(owner, tensors):
+    with parameters_placed_for_trace(owner, tensors):
         return _forward_reparametrized(module, placements[1:], args, kwargs)
 
 
@@ -464,7 +463,8 @@ def _forward_reparametrized(
 # region holds no collective and nothing that tells blocks apart, and the graph passes still bucket
 # and reorder every all-gather and reduce-scatter across blocks.
 #
-# The inputs are placed with torch.nn.utils.stateless._reparametrize_module, once per submodule that
+# The inputs are placed with torch.nn.utils.stateless._reparametrize_module (param.py's
+# parameters_placed_for_trace), once per submodule that
 # registers a group parameter (the read's property returns a registered tensor that is not an
 # nn.Parameter as is). Dynamo knows that context: it swaps the module's parameter dict for the
 # body's trace and does not count it as a side effect, so the traced body is eligible for Dynamo's

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+from torch.nn.utils.stateless import _reparametrize_module
 
 from fsdp_compile.api import MixedPrecisionPolicy
 from fsdp_compile.layout import ShardLayout
@@ -183,9 +184,10 @@ class FSDPParam:
     def register_everywhere(self, value: nn.Parameter) -> None:
         """Make ``value`` what every place of this parameter holds (tied names share it).
 
-        The one writer of ``module._parameters`` for managed parameters: it bypasses
-        nn.Module.__setattr__, which would reject swapping a Parameter for a differently-typed one
-        (and which our traced-parameter class routes to ``replace_sharded_param``).
+        The one writer of ``module._parameters`` for managed parameters (besides the traced,
+        scoped ``parameters_placed_for_trace`` below): it bypasses nn.Module.__setattr__, which
+        would reject swapping a Parameter for a differently-typed one (and which our
+        traced-parameter class routes to ``replace_sharded_param``).
         """
         for ref in self.refs:
             ref.module._parameters[ref.name] = value
@@ -538,3 +540,11 @@ class FSDPParam:
         if local_grad.device != self.shard_device:
             local_grad = local_grad.to(self.shard_device, non_blocking=True)
         self.sharded_param.grad = self.sharded_dtensor(local_grad)
+
+
+def parameters_placed_for_trace(module: nn.Module, tensors: dict[str, torch.Tensor]) -> Any:
+    """A context in which ``module._parameters[name]`` holds ``tensors[name]``, restored on exit: how
+    a block region's body reads its unsharded parameters ([Note: compile once per block] in
+    module.py). torch's ``_reparametrize_module``, which Dynamo traces as a swap of the parameter
+    dict rather than a side effect, so the traced body stays reusable across blocks."""
+    return _reparametrize_module(module, tensors)
