@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -50,13 +51,21 @@ def _full_params(model):
     return [p.full_tensor() for p in model.parameters()]
 
 
+class CompiledVsEager(NamedTuple):
+    eager_losses: list[float]
+    compiled_losses: list[float]
+    max_param_gap: float  # between the eagerly and the compiled trained parameters
+    frames: dict  # Dynamo's stats plus after_first_step, joint_graphs_seen_by_our_passes, compiled_autograd_captures, moved
+    graph_breaks: int
+
+
 def _compiled_vs_eager(
     mode: str, param_dtype_name: str | None = None, micro_batches: int = 1, hsdp_and_frozen: bool = False,
     backend: str = "fsdp_inductor",
 ):
     """Train the same model eagerly and compiled (``mode``; ``backend``: fsdp_inductor, or
     fsdp_aot_eager where code generation is not what a test is about, to save its compile time);
-    return losses and max parameter difference."""
+    return losses, max parameter difference and what was compiled."""
     torch._dynamo.reset()
     param_dtype = getattr(torch, param_dtype_name) if param_dtype_name else None
     policy = fsdp_compile.MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
@@ -111,27 +120,25 @@ def _compiled_vs_eager(
     breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
     param_diff = max((a - b).abs().max().item() for a, b in zip(_full_params(eager), _full_params(compiled)))
     frames["moved"] = max((a - b).abs().max().item() for a, b in zip(_full_params(eager), initial))
-    return eager_losses, compiled_losses, param_diff, frames, breaks
+    return CompiledVsEager(eager_losses, compiled_losses, param_diff, frames, breaks)
 
 
-def _assert_matches_eager(result, loss_rtol=1e-6, param_atol=1e-5):
-    eager_losses, compiled_losses, param_diff, frames, breaks = result
-    for step, (a, b) in enumerate(zip(eager_losses, compiled_losses)):
+def _assert_matches_eager(result: CompiledVsEager, loss_rtol=1e-6, param_atol=1e-5):
+    for step, (a, b) in enumerate(zip(result.eager_losses, result.compiled_losses)):
         assert abs(a - b) <= loss_rtol * abs(a), f"step {step}: eager {a} vs compiled {b}"
-    assert param_diff <= param_atol, f"parameters differ by {param_diff}"
+    assert result.max_param_gap <= param_atol, f"parameters differ by {result.max_param_gap}"
     # The eager model trained, by far more than the tolerance: the comparison can fail.
-    assert eager_losses[0] != eager_losses[-1]
-    assert frames["moved"] >= 10 * param_atol, f"parameters moved by only {frames['moved']}"
+    assert result.eager_losses[0] != result.eager_losses[-1]
+    assert result.frames["moved"] >= 10 * param_atol, f"parameters moved by only {result.frames['moved']}"
 
 
 def test_fsdp_inductor_fullgraph_matches_eager_without_breaks_or_recompiles(dist):
     result = dist.run(2, _compiled_vs_eager, "fsdp_inductor")[0]
     _assert_matches_eager(result)
-    frames, breaks = result[3], result[4]
-    assert breaks == 0
-    assert frames["unique_graphs"] == frames["after_first_step"], "recompiled after the first step"
+    assert result.graph_breaks == 0
+    assert result.frames["unique_graphs"] == result.frames["after_first_step"], "recompiled after the first step"
     # Inductor ran our joint-graph recompute pass (the cache-safe custom pass).
-    assert frames["joint_graphs_seen_by_our_passes"] >= 1
+    assert result.frames["joint_graphs_seen_by_our_passes"] >= 1
 
 
 def test_fsdp_inductor_bf16_mixed_precision_matches_eager_within_bf16_rounding(dist):
@@ -139,7 +146,7 @@ def test_fsdp_inductor_bf16_mixed_precision_matches_eager_within_bf16_rounding(d
     # Parameters move by about 4e-2 in these steps and compiled bf16 lands within about 4e-4 of
     # eager bf16 (Inductor keeps fused intermediates in fp32): the tolerance sits between the two.
     _assert_matches_eager(result, loss_rtol=1e-2, param_atol=2e-3)
-    assert result[4] == 0
+    assert result.graph_breaks == 0
 
 
 def test_compiled_hsdp_2x2_with_a_frozen_parameter_matches_eager(dist):
@@ -151,14 +158,19 @@ def test_compiled_hsdp_2x2_with_a_frozen_parameter_matches_eager(dist):
 def test_skip_fsdp_hooks_fallback_runs_hooks_eagerly_with_equal_numerics(dist):
     result = dist.run(2, _compiled_vs_eager, "fallback")[0]
     _assert_matches_eager(result)
-    assert result[4] > 0, "the hooks should have run eagerly at graph breaks"
+    assert result.graph_breaks > 0, "the hooks should have run eagerly at graph breaks"
 
 
 def test_compiled_autograd_gradients_equal_eager(dist):
     # fsdp_inductor: compiled autograd's graphs carry inputs that fsdp_aot_eager's direct AOT call refuses.
     result = dist.run(2, _compiled_vs_eager, "compiled_autograd")[0]
     _assert_matches_eager(result)
-    assert result[3]["compiled_autograd_captures"] > 0, "compiled autograd did not trace the backward"
+    assert result.frames["compiled_autograd_captures"] > 0, "compiled autograd did not trace the backward"
+
+
+class RestoredState(NamedTuple):
+    state_kinds: set[str]  # type names of the state dict's values
+    max_output_gap: float  # between the compiled model and an eager one loaded from its state dict
 
 
 def _state_dict_after_compiled_training():
@@ -174,13 +186,13 @@ def _state_dict_after_compiled_training():
     with torch.no_grad():
         difference = (compiled(tokens) - restored(tokens)).abs().max().item()
     kinds = {type(v).__name__ for v in state.values()}
-    return kinds, difference
+    return RestoredState(kinds, difference)
 
 
 def test_state_dict_of_compiled_model_loads_into_eager_model(dist):
-    kinds, difference = dist.run(2, _state_dict_after_compiled_training)[0]
-    assert kinds == {"DTensor"}
-    assert difference < 1e-5
+    result = dist.run(2, _state_dict_after_compiled_training)[0]
+    assert result.state_kinds == {"DTensor"}
+    assert result.max_output_gap < 1e-5
 
 
 class _RankDependent(torch.nn.Module):
@@ -195,6 +207,12 @@ class _RankDependent(torch.nn.Module):
         if not self.rank_dependent or dist.get_rank() == 0:  # else only rank 0 gathers b's parameters
             x = self.b(x)
         return x
+
+
+class DivergedCompile(NamedTuple):
+    error: str  # what compiling the rank-dependent model raised ("" if nothing)
+    seconds_to_error: float
+    later_output_shape: tuple[int, ...]  # of the same code compiled again without the divergence
 
 
 def _rank_dependent_control_flow():
@@ -218,16 +236,17 @@ def _rank_dependent_control_flow():
     fsdp_compile.fully_shard(again.b)
     fsdp_compile.fully_shard(again)
     output = torch.compile(again, backend="fsdp_aot_eager")(torch.randn(2, 8))
-    return message, seconds, tuple(output.shape)
+    return DivergedCompile(message, seconds, tuple(output.shape))
 
 
 def test_rank_dependent_collectives_fail_before_any_collective_with_the_ranks_named(dist):
-    for message, seconds, later_output in dist.run(2, _rank_dependent_control_flow):
+    for result in dist.run(2, _rank_dependent_control_flow):
+        message = result.error
         assert "ranks traced graphs with different collectives" in message, message
         assert "ranks [0, 1] differ" in message and "rank 0 traced collectives" in message
         # Found while both ranks wait in the store, not after the timeout: no hang.
-        assert seconds < fsdp_compile.config.graph_check_timeout_s / 2
-        assert later_output == (2, 8)
+        assert result.seconds_to_error < fsdp_compile.config.graph_check_timeout_s / 2
+        assert result.later_output_shape == (2, 8)
 
 
 def test_fallback_inside_a_compiled_training_step_matches_eager(dist):
@@ -245,6 +264,19 @@ def _fallback_under_compiled_autograd():
 def test_fallback_under_compiled_autograd_is_refused_clearly(dist):
     for message in dist.run(2, _fallback_under_compiled_autograd):
         assert "compiled autograd cannot trace" in message and "backend='fsdp_inductor'" in message
+
+
+class CompiledSteps(NamedTuple):
+    forward_graphs: int  # compiled in the first step
+    collectives: dict  # per collective kind, in the second step
+
+
+class CollectivesInOneProcess(NamedTuple):
+    eager: dict  # collectives per step of the eager runtime
+    alone: CompiledSteps  # an fsdp_inductor model compiled alone
+    after_fallback: CompiledSteps  # one compiled after a skip_fsdp_hooks model ran
+    fallback_before: dict  # the skip_fsdp_hooks model's collectives per step, before and after that
+    fallback_after: dict
 
 
 def _fallback_and_fsdp_inductor_in_one_process():
@@ -265,7 +297,7 @@ def _fallback_and_fsdp_inductor_in_one_process():
             step(runner, batches[0])
         with count_collectives() as counts:
             step(runner, batches[1])
-        return sum(kind == "forward" for kind, _ in graphs), dict(counts)
+        return CompiledSteps(sum(kind == "forward" for kind, _ in graphs), dict(counts))
 
     def fallback_step(runner):
         fsdp_compile.config.skip_fsdp_hooks = True
@@ -286,13 +318,13 @@ def _fallback_and_fsdp_inductor_in_one_process():
     fallback_before = fallback_step(fallback)
     after_fallback = first_and_second_step(torch.compile(shard_model(sharded_copy(reference), fsdp_compile.fully_shard), backend="fsdp_aot_eager"))
     fallback_after = fallback_step(fallback)
-    return dict(eager_counts), alone, after_fallback, fallback_before, fallback_after
+    return CollectivesInOneProcess(dict(eager_counts), alone, after_fallback, fallback_before, fallback_after)
 
 
 def test_fallback_and_fsdp_inductor_models_in_one_process_keep_their_own_collectives(dist):
-    eager, alone, after_fallback, fallback_before, fallback_after = dist.run(2, _fallback_and_fsdp_inductor_in_one_process)[0]
+    r = dist.run(2, _fallback_and_fsdp_inductor_in_one_process)[0]
     # The fsdp_inductor model's graphs and collectives per step, and the fallback's (the eager
     # runtime's), are the same whether or not the other model ran first in the process.
-    assert alone[0] >= 1, "the fsdp_inductor model compiled no graph"
-    assert after_fallback == alone, f"after a fallback model: {after_fallback}, alone: {alone}"
-    assert fallback_before == eager and fallback_after == eager, (fallback_before, fallback_after, eager)
+    assert r.alone.forward_graphs >= 1, "the fsdp_inductor model compiled no graph"
+    assert r.after_fallback == r.alone, f"after a fallback model: {r.after_fallback}, alone: {r.alone}"
+    assert r.fallback_before == r.eager and r.fallback_after == r.eager, (r.fallback_before, r.fallback_after, r.eager)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -27,6 +28,14 @@ def _shard_fsdp1_style(model, **fsdp1_config):
     return model
 
 
+class StrategyParity(NamedTuple):
+    losses: list[float]  # global loss per step, sharded
+    reference_losses: list[float]  # the unsharded model's
+    max_param_gap: float  # between the sharded and the reference parameters after training
+    layers_unsharded_after_forward: list[bool]
+    shard_sizes: set[int]  # ranks each block's parameters are sharded over
+
+
 def _strategy_parity(strategy_name: str):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -46,7 +55,7 @@ def _strategy_parity(strategy_name: str):
     shard_sizes = {state_of(layer).group.mesh_info.shard_size for layer in model.layers}
     reference_losses = train_reference(reference, batches, "adamw")
     losses = train_sharded(model, batches, "adamw")
-    return losses, reference_losses, max_param_difference(model, reference), layers_unsharded_after_forward, shard_sizes
+    return StrategyParity(losses, reference_losses, max_param_difference(model, reference), layers_unsharded_after_forward, shard_sizes)
 
 
 @pytest.mark.parametrize(
@@ -61,14 +70,14 @@ def _strategy_parity(strategy_name: str):
 )
 def test_sharding_strategy_trains_like_reference_with_its_documented_layout(dist, strategy, keeps_params_after_forward, shard_size):
     results = dist.run(4, _strategy_parity, strategy)
-    losses, reference_losses, param_diff, unsharded_after_forward, shard_sizes = results[0]
+    first = results[0]
     for rank_result in results:
-        assert rank_result[0] == losses, "ranks disagree on the global loss"
-    for step, (ours, ref) in enumerate(zip(losses, reference_losses)):
+        assert rank_result.losses == first.losses, "ranks disagree on the global loss"
+    for step, (ours, ref) in enumerate(zip(first.losses, first.reference_losses)):
         assert abs(ours - ref) <= LOSS_RTOL * abs(ref), f"step {step}: loss {ours} vs reference {ref}"
-    assert param_diff <= PARAM_ATOL
-    assert unsharded_after_forward == [keeps_params_after_forward] * SMALL.n_layers
-    assert shard_sizes == {shard_size}
+    assert first.max_param_gap <= PARAM_ATOL
+    assert first.layers_unsharded_after_forward == [keeps_params_after_forward] * SMALL.n_layers
+    assert first.shard_sizes == {shard_size}
 
 
 def _backward_log(mode_name: str | None):

@@ -517,8 +517,14 @@ def test_slicing_a_sharded_sequential_returns_a_plain_sequential(dist):
 # --- 10 and 12. errors raised before any collective --------------------------------------------------------
 
 
-def _error_before_any_collective(case: str):
-    """(error type, message, process-group calls made) for one bad call, on this rank only."""
+class RefusedCall(NamedTuple):
+    error_type: str | None  # None: nothing was raised
+    message: str
+    calls: list[str]  # process-group calls made before the error
+
+
+def _error_before_any_collective(case: str) -> RefusedCall:
+    """What one bad call raised, on this rank only."""
     with count_process_group_calls() as calls:
         try:
             if case == "module_list":
@@ -544,8 +550,8 @@ def _error_before_any_collective(case: str):
             else:
                 raise AssertionError(case)
         except Exception as error:  # noqa: BLE001 - the test asserts on it
-            return type(error).__name__, str(error), list(calls)
-    return None, "", list(calls)
+            return RefusedCall(type(error).__name__, str(error), list(calls))
+    return RefusedCall(None, "", list(calls))
 
 
 @pytest.mark.parametrize(
@@ -559,11 +565,11 @@ def _error_before_any_collective(case: str):
     ],
 )
 def test_mistakes_fsdp2_refuses_are_refused_before_any_collective(dist, case, error, words):
-    error_type, message, calls = dist.run(1, _error_before_any_collective, case)[0]
-    assert error_type == error, message
+    result = dist.run(1, _error_before_any_collective, case)[0]
+    assert result.error_type == error, result.message
     for word in words:
-        assert word in message, f"{word!r} missing from: {message}"
-    assert calls == [], f"collectives issued before the error: {calls}"
+        assert word in result.message, f"{word!r} missing from: {result.message}"
+    assert result.calls == [], f"collectives issued before the error: {result.calls}"
 
 
 # --- 11. shard_placement_fn, fully_shard.state ------------------------------------------------------------

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -128,23 +129,42 @@ def test_full_optim_state_dict_rank0_only_gives_other_ranks_an_empty_dict(dist):
     assert dist.run(2, _full_state_rank0_only) == [True, True], "rank 0: the full state; rank 1: {}"
 
 
-def _offloaded_devices():
+class OffloadedState(NamedTuple):
+    full_sharing_live_storage: list[str]  # full offloaded entries whose storage is the optimizer's own
+    sharded_not_live_shards: list[str]  # sharded offloaded entries that are not the live state's shards
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).untyped_storage().data_ptr()
+
+
+def _offloaded_state():
     model, optimizer = _build()
     _train(model, optimizer, _batches()[:1])
     full = _full(model, optimizer, offload_to_cpu=True)
     with state_dict_type(model, StateDictType.SHARDED_STATE_DICT, optim_state_dict_config=ShardedOptimStateDictConfig(offload_to_cpu=True)):
         sharded = optim_state_dict(model, optimizer)
-    full_devices = {value.device.type for per_param in full["state"].values() for value in per_param.values()}
-    sharded_devices = {
-        value.to_local().device.type for per_param in sharded["state"].values() for value in per_param.values() if isinstance(value, DTensor)
-    }
-    return full_devices, sharded_devices
+    live = {fqn: optimizer.state[param] for fqn, param in model.named_parameters()}
+    live_storage = {_storage(value) for per_param in live.values() for value in per_param.values()} - {0}
+    full_sharing = [
+        f"{fqn}.{name}" for fqn, per_param in full["state"].items() for name, value in per_param.items() if _storage(value) in live_storage
+    ]
+    not_live_shards = [
+        f"{fqn}.{name}"
+        for fqn, per_param in sharded["state"].items()
+        for name, value in per_param.items()
+        if type(value) is not type(live[fqn][name])
+        or (isinstance(value, DTensor) and value.placements != live[fqn][name].placements)
+        or not torch.equal(value, live[fqn][name])
+    ]
+    return OffloadedState(full_sharing, not_live_shards)
 
 
 def test_optim_state_dict_offload_to_cpu_returns_cpu_tensors(dist):
-    # On this CPU-only suite the state is on CPU anyway; on a GPU the same assertion checks the move.
-    for full_devices, sharded_devices in dist.run(2, _offloaded_devices):
-        assert full_devices == {"cpu"} and sharded_devices == {"cpu"}
+    # On CPU (gloo) a device check cannot fail: the full dict must be a copy, the sharded one the unchanged live shards.
+    for result in dist.run(2, _offloaded_state):
+        assert result.full_sharing_live_storage == []
+        assert result.sharded_not_live_shards == []
 
 
 def _full_round_trip(rank0_only: bool):
@@ -171,6 +191,11 @@ def test_full_optim_state_dict_loads_back_and_training_resumes_exactly(dist, ran
     assert result["resumed"] == result["expected"]
 
 
+class Resumed(NamedTuple):
+    resumed_losses: list[float]  # training on after loading
+    expected_losses: list[float]  # the single-process run it was saved from, training on
+
+
 def _single_process_checkpoint_loads():
     reference, reference_optimizer = _trained_reference()
     model, optimizer = _build(seed=123)
@@ -181,12 +206,18 @@ def _single_process_checkpoint_loads():
         checkpoint = copy.deepcopy(reference_optimizer.state_dict())
         optim_state_dict_to_load(model, optimizer, checkpoint, load_directly=True)
     expected = _train(reference, reference_optimizer, _batches()[STEPS_BEFORE:], sharded=False)
-    return _train(model, optimizer, _batches()[STEPS_BEFORE:]), expected
+    return Resumed(_train(model, optimizer, _batches()[STEPS_BEFORE:]), expected)
 
 
 def test_single_process_adamw_state_dict_keyed_by_position_loads_under_full_state_dict(dist):
-    resumed, expected = dist.run(2, _single_process_checkpoint_loads)[0]
-    assert resumed == pytest.approx(expected, rel=1e-5)
+    result = dist.run(2, _single_process_checkpoint_loads)[0]
+    assert result.resumed_losses == pytest.approx(result.expected_losses, rel=1e-5)
+
+
+class Converted(NamedTuple):
+    given_lr: float  # in the dict converted from the one given
+    own_lr: float  # in the one converted from the optimizer's state
+    same_keys: bool
 
 
 def _given_dict_is_converted():
@@ -197,15 +228,20 @@ def _given_dict_is_converted():
     with state_dict_type(model, StateDictType.FULL_STATE_DICT):
         converted = optim_state_dict(model, optimizer, optim_state_dict=given)
         own = optim_state_dict(model, optimizer)
-    return converted["param_groups"][0]["lr"], own["param_groups"][0]["lr"], list(converted["state"]) == list(own["state"])
+    return Converted(converted["param_groups"][0]["lr"], own["param_groups"][0]["lr"], list(converted["state"]) == list(own["state"]))
 
 
 def test_optim_state_dict_converts_the_given_dict_instead_of_the_optimizers(dist):
-    given_lr, own_lr, same_keys = dist.run(2, _given_dict_is_converted)[0]
-    assert (given_lr, own_lr) == (0.5, 1e-2) and same_keys
+    result = dist.run(2, _given_dict_is_converted)[0]
+    assert (result.given_lr, result.own_lr) == (0.5, 1e-2) and result.same_keys
 
 
 # --- sharded and local ----------------------------------------------------------------------------
+
+
+class SavedSharded(NamedTuple):
+    all_dtensor: bool  # every non-scalar optimizer-state value saved is a DTensor
+    continued_losses: list[float]  # training on after saving
 
 
 def _save_sharded_and_continue(directory: str):
@@ -217,7 +253,7 @@ def _save_sharded_and_continue(directory: str):
     dcp.save(state, checkpoint_id=directory)
     values = [value for per_param in state["optim"]["state"].values() for value in per_param.values() if value.dim() > 0]
     all_dtensor = bool(values) and all(isinstance(value, DTensor) for value in values)
-    return all_dtensor, _train(model, optimizer, batches[STEPS_BEFORE:])
+    return SavedSharded(all_dtensor, _train(model, optimizer, batches[STEPS_BEFORE:]))
 
 
 def _load_sharded_and_continue(directory: str):
@@ -231,11 +267,17 @@ def _load_sharded_and_continue(directory: str):
 
 
 def test_sharded_optim_state_dict_saved_at_2_ranks_resumes_at_3_like_an_uninterrupted_run(dist, tmp_path):
-    all_dtensor, expected = dist.run(2, _save_sharded_and_continue, str(tmp_path))[0]
-    assert all_dtensor, "a sharded optimizer state dict holds DTensors"
+    saved = dist.run(2, _save_sharded_and_continue, str(tmp_path))[0]
+    assert saved.all_dtensor, "a sharded optimizer state dict holds DTensors"
+    expected = saved.continued_losses
     resumed = dist.run(3, _load_sharded_and_continue, str(tmp_path))[0]
     # Three ranks sum gradients in another order: equal up to float rounding, not bitwise.
     assert resumed == pytest.approx(expected, rel=1e-5), (resumed, expected)
+
+
+class LocalOptimState(NamedTuple):
+    same: bool  # LOCAL_STATE_DICT's optimizer half equals the sharded one
+    reloaded: bool  # loading it back restored the optimizer's state
 
 
 def _local_is_sharded():
@@ -253,13 +295,13 @@ def _local_is_sharded():
         for name, value in per_param.items()
     )
     reloaded = all(torch.equal(optimizer.state[param]["exp_avg"], before["state"][fqn]["exp_avg"]) for fqn, param in model.named_parameters())
-    return same, reloaded
+    return LocalOptimState(same, reloaded)
 
 
 def test_local_optim_state_dict_is_the_sharded_one_as_in_fsdp1(dist):
-    for same, reloaded in dist.run(2, _local_is_sharded):
-        assert same, "LOCAL_STATE_DICT's optimizer half must equal the sharded one (FSDP1 treats it so)"
-        assert reloaded
+    for result in dist.run(2, _local_is_sharded):
+        assert result.same, "LOCAL_STATE_DICT's optimizer half must equal the sharded one (FSDP1 treats it so)"
+        assert result.reloaded
 
 
 # --- errors ---------------------------------------------------------------------------------------

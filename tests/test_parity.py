@@ -1,6 +1,8 @@
 """Eager runtime vs a single-process unsharded model, and vs PyTorch's own FSDP2."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,6 +15,13 @@ from fsdp_testing import (
 
 LOSS_RTOL = 1e-6
 PARAM_ATOL = 1e-5
+
+
+class Parity(NamedTuple):
+    losses: list[float]  # global loss per step, sharded
+    reference_losses: list[float]  # the unsharded model's
+    max_param_gap: float  # between the sharded and the reference parameters after training
+    movement: float  # how far training moved the reference parameters
 
 
 def _parity_with_reference(optimizer: str, reshard_after_forward, config_name: str = "SMALL", micro_batches: int = 1, explicit_prefetch: bool = False):
@@ -29,22 +38,22 @@ def _parity_with_reference(optimizer: str, reshard_after_forward, config_name: s
     initial = sharded_copy(reference)
     reference_losses = train_reference(reference, batches, optimizer, micro_batches)
     losses = train_sharded(model, batches, optimizer, micro_batches)
-    return losses, reference_losses, max_param_difference(model, reference), _movement(initial, reference)
+    return Parity(losses, reference_losses, max_param_difference(model, reference), _movement(initial, reference))
 
 
 def _movement(before, after) -> float:
     return max((a - b).abs().max().item() for a, b in zip(before.parameters(), after.parameters()))
 
 
-def _assert_parity(results):
-    losses, reference_losses, param_diff, movement = results[0]
+def _assert_parity(results: list[Parity] | list[HsdpParity]):
+    first = results[0]
     for rank_result in results:
-        assert rank_result[0] == losses, "ranks disagree on the global loss"
-    for step, (ours, ref) in enumerate(zip(losses, reference_losses)):
+        assert rank_result.losses == first.losses, "ranks disagree on the global loss"
+    for step, (ours, ref) in enumerate(zip(first.losses, first.reference_losses)):
         assert abs(ours - ref) <= LOSS_RTOL * abs(ref), f"step {step}: loss {ours} vs reference {ref}"
-    assert param_diff <= PARAM_ATOL, f"parameters differ from the reference by {param_diff}"
+    assert first.max_param_gap <= PARAM_ATOL, f"parameters differ from the reference by {first.max_param_gap}"
     # The tolerance must be small against how far training moved the parameters.
-    assert movement > 100 * PARAM_ATOL, f"parameters moved only {movement}: the comparison proves nothing"
+    assert first.movement > 100 * PARAM_ATOL, f"parameters moved only {first.movement}: the comparison proves nothing"
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -75,6 +84,14 @@ def test_gradient_accumulation_without_sync_matches_reference(dist):
     _assert_parity(dist.run(2, _parity_with_reference, "sgd", True, micro_batches=2))
 
 
+class HsdpParity(NamedTuple):  # Parity's fields, then the mesh layout
+    losses: list[float]
+    reference_losses: list[float]
+    max_param_gap: float
+    movement: float
+    placements: list[str]  # the distinct placements of the model's parameters
+
+
 def _hsdp_parity():
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -86,13 +103,19 @@ def _hsdp_parity():
     initial = sharded_copy(reference)
     reference_losses = train_reference(reference, batches, "adamw")
     losses = train_sharded(model, batches, "adamw")
-    return losses, reference_losses, max_param_difference(model, reference), _movement(initial, reference), [str(p) for p in placements]
+    return HsdpParity(losses, reference_losses, max_param_difference(model, reference), _movement(initial, reference), [str(p) for p in placements])
 
 
 def test_hsdp_on_2x2_mesh_matches_reference(dist):
     results = dist.run(4, _hsdp_parity)
-    assert results[0][4] == ["(Replicate(), Shard(dim=0))"]
-    _assert_parity([r[:4] for r in results])
+    assert results[0].placements == ["(Replicate(), Shard(dim=0))"]
+    _assert_parity(results)
+
+
+class TorchParity(NamedTuple):
+    our_losses: list[float]
+    torch_losses: list[float]  # torch's fully_shard's
+    max_param_gap: float
 
 
 def _parity_with_torch_fsdp2(param_dtype_name: str | None):
@@ -117,18 +140,18 @@ def _parity_with_torch_fsdp2(param_dtype_name: str | None):
         (a.full_tensor() - b.full_tensor()).abs().max().item()
         for a, b in zip(ours.parameters(), theirs.parameters())
     )
-    return our_losses, their_losses, param_diff
+    return TorchParity(our_losses, their_losses, param_diff)
 
 
 # Same shards, casts, divide factors and collectives as FSDP2: on the same torch the two
 # runtimes agree bitwise (seen on torch 2.13), which is stronger than DESIGN.md's 1e-2 bound.
 def test_fp32_matches_torch_fully_shard_bitwise(dist):
-    ours, theirs, param_diff = dist.run(2, _parity_with_torch_fsdp2, None)[0]
-    assert ours == theirs
-    assert param_diff == 0.0
+    result = dist.run(2, _parity_with_torch_fsdp2, None)[0]
+    assert result.our_losses == result.torch_losses
+    assert result.max_param_gap == 0.0
 
 
 def test_bf16_mixed_precision_matches_torch_fully_shard_bitwise(dist):
-    ours, theirs, param_diff = dist.run(2, _parity_with_torch_fsdp2, "bfloat16")[0]
-    assert ours == theirs
-    assert param_diff == 0.0
+    result = dist.run(2, _parity_with_torch_fsdp2, "bfloat16")[0]
+    assert result.our_losses == result.torch_losses
+    assert result.max_param_gap == 0.0

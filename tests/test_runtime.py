@@ -1,6 +1,8 @@
 """Behaviour of the eager runtime: memory, prefetch order, state machines, FSDPModule methods."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -15,6 +17,13 @@ def _groups(model):
     return [m._fsdp_state().group for m in model.modules() if isinstance(m, FSDPModule) and m._fsdp_state().group is not None]
 
 
+class StorageAfterForward(NamedTuple):
+    layer_bytes: list[int]  # unsharded storage each block holds after forward
+    layer_states: list[str]  # each block's sharded state after forward
+    registered_is_dtensor: bool  # the first block's registered parameters after forward
+    after_backward: list[int]  # unsharded storage each block holds after backward
+
+
 def _storage_after_forward(reshard_after_forward: bool):
     model = shard_model(build_reference(), fully_shard, reshard_after_forward=reshard_after_forward)
     tokens = local_part(global_batches(1, 2, dist.get_world_size())[0])
@@ -24,24 +33,29 @@ def _storage_after_forward(reshard_after_forward: bool):
     registered_is_dtensor = all(isinstance(p, torch.distributed.tensor.DTensor) for p in model.layers[0].parameters())
     next_token_loss(logits, tokens).backward()
     after_backward = [layer._fsdp_state().group.unsharded_storage_bytes() for layer in model.layers]
-    return layer_bytes, layer_states, registered_is_dtensor, after_backward
+    return StorageAfterForward(layer_bytes, layer_states, registered_is_dtensor, after_backward)
 
 
 def test_reshard_after_forward_frees_unsharded_storage(dist):
-    layer_bytes, states, registered_is_dtensor, after_backward = dist.run(2, _storage_after_forward, True)[0]
-    assert layer_bytes == [0] * SMALL.n_layers
-    assert states == ["SHARDED"] * SMALL.n_layers
-    assert registered_is_dtensor
-    assert after_backward == [0] * SMALL.n_layers
+    result = dist.run(2, _storage_after_forward, True)[0]
+    assert result.layer_bytes == [0] * SMALL.n_layers
+    assert result.layer_states == ["SHARDED"] * SMALL.n_layers
+    assert result.registered_is_dtensor
+    assert result.after_backward == [0] * SMALL.n_layers
 
 
 def test_no_reshard_after_forward_keeps_unsharded_storage(dist):
-    layer_bytes, states, registered_is_dtensor, after_backward = dist.run(2, _storage_after_forward, False)[0]
+    result = dist.run(2, _storage_after_forward, False)[0]
     reference_block_bytes = sum(p.numel() * p.element_size() for p in build_reference().layers[0].parameters())
-    assert layer_bytes == [reference_block_bytes] * SMALL.n_layers
-    assert states == ["UNSHARDED"] * SMALL.n_layers
-    assert not registered_is_dtensor
-    assert after_backward == [0] * SMALL.n_layers  # reshard_after_backward defaults to True
+    assert result.layer_bytes == [reference_block_bytes] * SMALL.n_layers
+    assert result.layer_states == ["UNSHARDED"] * SMALL.n_layers
+    assert not result.registered_is_dtensor
+    assert result.after_backward == [0] * SMALL.n_layers  # reshard_after_backward defaults to True
+
+
+class StepCollectives(NamedTuple):
+    first_step: list[tuple[str, str, str]]  # (kind, group, reason) in issue order
+    second_step: list[tuple[str, str, str]]
 
 
 def _collective_order():
@@ -53,11 +67,12 @@ def _collective_order():
         with fsdp_compile.record_collectives() as log:
             next_token_loss(model(tokens), tokens).backward()
         logs.append([(r.kind, r.group, r.reason) for r in log])
-    return logs
+    first_step, second_step = logs
+    return StepCollectives(first_step, second_step)
 
 
 def test_all_gather_and_reduce_scatter_order_follows_the_prefetch_design(dist):
-    first_step, second_step = dist.run(2, _collective_order)[0]
+    steps = dist.run(2, _collective_order)[0]
     AG, RS = "all_gather", "reduce_scatter"
     # Step 2 prefetches in forward along the order recorded in step 1 (root, layers.0, .1, .2);
     # backward prefetches in reverse post-forward order; the root keeps its parameters after
@@ -67,12 +82,12 @@ def test_all_gather_and_reduce_scatter_order_follows_the_prefetch_design(dist):
         (AG, "layers.0", "backward-prefetch"), (RS, "layers.1", "backward"), (RS, "layers.0", "backward"),
         (RS, "Transformer", "backward"),
     ]
-    assert second_step == [
+    assert steps.second_step == [
         (AG, "Transformer", "forward"), (AG, "layers.0", "forward-prefetch"), (AG, "layers.1", "forward-prefetch"),
         (AG, "layers.2", "forward-prefetch"),
     ] + backward
     # Step 1 has no recorded order yet: every forward all-gather is issued by its own module.
-    assert first_step == [(AG, "Transformer", "forward"), (AG, "layers.0", "forward"), (AG, "layers.1", "forward"), (AG, "layers.2", "forward")] + backward
+    assert steps.first_step == [(AG, "Transformer", "forward"), (AG, "layers.0", "forward"), (AG, "layers.1", "forward"), (AG, "layers.2", "forward")] + backward
 
 
 def _states_during_step():
@@ -102,6 +117,13 @@ def test_groups_walk_the_named_state_machines(dist):
     assert seen["after_backward"] == [("IDLE", "SHARDED")] * (SMALL.n_layers + 1)
 
 
+class ExplicitUnshard(NamedTuple):
+    unsharded: list[str]  # the block's parameter types after unshard
+    full_shapes: list[tuple[int, ...]]  # and their shapes
+    resharded: list[str]  # the parameter types after reshard
+    collectives: list[tuple[str, str]]  # (kind, reason)
+
+
 def _explicit_unshard_and_reshard():
     model = shard_model(build_reference(), fully_shard)
     layer = model.layers[0]
@@ -112,15 +134,23 @@ def _explicit_unshard_and_reshard():
     full_shapes = [tuple(p.shape) for p in layer.parameters()]
     layer.reshard()
     resharded = [type(p).__name__ for p in layer.parameters()]
-    return unsharded, full_shapes, resharded, [(r.kind, r.reason) for r in log]
+    return ExplicitUnshard(unsharded, full_shapes, resharded, [(r.kind, r.reason) for r in log])
 
 
 def test_explicit_unshard_async_then_reshard(dist):
-    unsharded, full_shapes, resharded, log = dist.run(2, _explicit_unshard_and_reshard)[0]
+    result = dist.run(2, _explicit_unshard_and_reshard)[0]
     reference_shapes = [tuple(p.shape) for p in build_reference().layers[0].parameters()]
-    assert set(unsharded) == {"Parameter"} and full_shapes == reference_shapes
-    assert set(resharded) == {"DTensor"}
-    assert log == [("all_gather", "explicit")]
+    assert set(result.unsharded) == {"Parameter"} and result.full_shapes == reference_shapes
+    assert set(result.resharded) == {"DTensor"}
+    assert result.collectives == [("all_gather", "explicit")]
+
+
+class TiedFrozenBuffers(NamedTuple):
+    tied: bool  # output and embedding weights are one parameter after sharding
+    buffer_kept: bool  # the RoPE buffer stayed a plain, unchanged tensor
+    frozen_grad_is_none: bool
+    tied_grad_error: float  # against the unsharded model's gradient of the tied weight
+    tied_after: bool  # still one parameter after a step
 
 
 def _tied_frozen_and_buffers():
@@ -140,16 +170,24 @@ def _tied_frozen_and_buffers():
     tied_grad = model.tok_embeddings.weight.grad.full_tensor()
     tied_grad_error = (tied_grad - reference.tok_embeddings.weight.grad).abs().max().item()
     tied_after = model.output.weight is model.tok_embeddings.weight
-    return tied, buffer_kept, frozen_grad_is_none, tied_grad_error, tied_after
+    return TiedFrozenBuffers(tied, buffer_kept, frozen_grad_is_none, tied_grad_error, tied_after)
 
 
 def test_tied_frozen_parameters_and_buffers(dist):
-    for tied, buffer_kept, frozen_grad_is_none, tied_grad_error, tied_after in dist.run(2, _tied_frozen_and_buffers):
-        assert tied and tied_after, "tied weights must stay one parameter"
-        assert buffer_kept, "buffers are not sharded"
-        assert frozen_grad_is_none
+    for result in dist.run(2, _tied_frozen_and_buffers):
+        assert result.tied and result.tied_after, "tied weights must stay one parameter"
+        assert result.buffer_kept, "buffers are not sharded"
+        assert result.frozen_grad_is_none
         # The tied weight's gradient sums embedding and head contributions, as unsharded.
-        assert tied_grad_error < 1e-6
+        assert result.tied_grad_error < 1e-6
+
+
+class DeferredBackward(NamedTuple):
+    kept: list[str]  # each group's sharded state after a backward with reshard_after_backward=False
+    forward_gathers: int  # all-gathers in the forward that follows
+    pending_after_backward: int  # reductions held back by set_is_last_backward(False)
+    pending_after_forward: int  # still held back after the next forward
+    grads_present: bool
 
 
 def _last_backward_and_reshard_after_backward():
@@ -173,15 +211,15 @@ def _last_backward_and_reshard_after_backward():
     pending_after_forward = len(model._fsdp_state().comm.reducing_groups)
     model.reshard()  # the root keeps unsharded parameters registered after forward
     grads_present = all(p.grad is not None for p in model.parameters())
-    return kept, forward_gathers, pending_after_backward, pending_after_forward, grads_present
+    return DeferredBackward(kept, forward_gathers, pending_after_backward, pending_after_forward, grads_present)
 
 
 def test_reshard_after_backward_false_and_deferred_last_backward(dist):
-    kept, forward_gathers, pending_after_backward, pending_after_forward, grads_present = dist.run(2, _last_backward_and_reshard_after_backward)[0]
-    assert kept == ["UNSHARDED"] * (SMALL.n_layers + 1)
-    assert forward_gathers == 0
-    assert pending_after_backward == 1 and pending_after_forward == 0
-    assert grads_present
+    result = dist.run(2, _last_backward_and_reshard_after_backward)[0]
+    assert result.kept == ["UNSHARDED"] * (SMALL.n_layers + 1)
+    assert result.forward_gathers == 0
+    assert result.pending_after_backward == 1 and result.pending_after_forward == 0
+    assert result.grads_present
 
 
 def _divide_factor_and_post_optim_event():
@@ -209,6 +247,13 @@ def test_gradient_divide_factor_one_sums_gradients(dist):
     assert max(dist.run(2, _divide_factor_and_post_optim_event)) < 1e-6
 
 
+class HsdpAllReduce(NamedTuple):
+    skipped: list[str]  # collective kinds in a backward with set_requires_all_reduce(False)
+    no_grads: bool  # no gradient landed then
+    synced: list[str]  # collective kinds in a backward with it True again
+    grads: bool  # every parameter has a gradient then
+
+
 def _hsdp_requires_all_reduce_false():
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -223,19 +268,26 @@ def _hsdp_requires_all_reduce_false():
     with fsdp_compile.record_collectives() as synced:
         next_token_loss(model(tokens), tokens).backward()
     kinds = lambda log: sorted({r.kind for r in log})
-    return kinds(skipped), no_grads, kinds(synced), all(p.grad is not None for p in model.parameters())
+    return HsdpAllReduce(kinds(skipped), no_grads, kinds(synced), all(p.grad is not None for p in model.parameters()))
 
 
 def test_hsdp_defers_all_reduce_when_not_required(dist):
-    skipped, no_grads, synced, grads = dist.run(4, _hsdp_requires_all_reduce_false)[0]
-    assert skipped == ["all_gather", "reduce_scatter"] and no_grads
-    assert synced == ["all_gather", "all_reduce", "reduce_scatter"] and grads
+    result = dist.run(4, _hsdp_requires_all_reduce_false)[0]
+    assert result.skipped == ["all_gather", "reduce_scatter"] and result.no_grads
+    assert result.synced == ["all_gather", "all_reduce", "reduce_scatter"] and result.grads
+
+
+class ClassSwap(NamedTuple):
+    same: bool  # fully_shard returned the module it was given
+    is_fsdp: bool
+    still_block: bool  # still an instance of its original class
+    name: str  # its class's name
 
 
 def _class_swap_and_api():
     model = build_reference()
     returned = fully_shard(model.layers[0])
-    return (
+    return ClassSwap(
         returned is model.layers[0],
         isinstance(model.layers[0], FSDPModule),
         isinstance(model.layers[0], type(build_reference().layers[0])),
@@ -244,8 +296,8 @@ def _class_swap_and_api():
 
 
 def test_fully_shard_returns_module_with_fsdp_class(dist):
-    same, is_fsdp, still_block, name = dist.run(1, _class_swap_and_api)[0]
-    assert same and is_fsdp and still_block and name == "FSDPTransformerBlock"
+    result = dist.run(1, _class_swap_and_api)[0]
+    assert result.same and result.is_fsdp and result.still_block and result.name == "FSDPTransformerBlock"
 
 
 class _TwoHeads(nn.Module):
@@ -257,6 +309,11 @@ class _TwoHeads(nn.Module):
 
     def forward(self, x):
         return self.head(self.norm(self.trunk(x)))
+
+
+class OneGroup(NamedTuple):
+    collectives: list[tuple[str, str]]  # (kind, group)
+    grad_error: float  # against the single-process gradients
 
 
 def _list_of_modules_is_one_group():
@@ -274,12 +331,12 @@ def _list_of_modules_is_one_group():
         (mine.grad.full_tensor() - theirs.grad).abs().max().item()
         for mine, theirs in zip(model.parameters(), reference.parameters())
     )
-    return [(r.kind, r.group) for r in log], grad_error
+    return OneGroup([(r.kind, r.group) for r in log], grad_error)
 
 
 def test_list_of_modules_shares_one_group(dist):
-    log, grad_error = dist.run(2, _list_of_modules_is_one_group)[0]
+    result = dist.run(2, _list_of_modules_is_one_group)[0]
     # [norm, head] are one group: gathered for forward, again for backward, reduced once.
-    assert log.count(("all_gather", "norm")) == 2
-    assert log.count(("reduce_scatter", "norm")) == 1
-    assert grad_error < 1e-6
+    assert result.collectives.count(("all_gather", "norm")) == 2
+    assert result.collectives.count(("reduce_scatter", "norm")) == 1
+    assert result.grad_error < 1e-6

@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import os
 import re
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -86,6 +87,12 @@ def _train_save_and_continue(directory: str) -> None:
     dist.barrier()
 
 
+class LoadedCheckpoint(NamedTuple):
+    mismatched: list[str]  # full parameters / optimizer states that differ from the saved ones
+    continued_losses: list[float]  # training on after loading
+    expected_losses: list[float]  # the saving run's, training on after saving
+
+
 def _load_and_continue(directory: str, fully_shard_name: str = "ours"):
     if fully_shard_name == "ours":
         fully_shard = fsdp_compile.fully_shard
@@ -96,7 +103,7 @@ def _load_and_continue(directory: str, fully_shard_name: str = "ours"):
     expected = torch.load(os.path.join(directory, "expected.pt"))
     mismatched = _mismatches(_full_snapshot(model, optimizer), expected["snapshot"])
     continued = _train(model, optimizer, _batches()[2:])
-    return mismatched, continued, expected["continued"]
+    return LoadedCheckpoint(mismatched, continued, expected["continued"])
 
 
 @pytest.fixture(scope="module")
@@ -108,16 +115,22 @@ def checkpoint_at_world_size_2(dist, tmp_path_factory) -> str:
 
 @pytest.mark.parametrize("world_size", [1, 3, 4])
 def test_dcp_checkpoint_from_2_ranks_loads_bitwise_and_training_continues(dist, checkpoint_at_world_size_2, world_size):
-    mismatched, continued, expected = dist.run(world_size, _load_and_continue, checkpoint_at_world_size_2)[0]
-    assert mismatched == [], f"parameters / AdamW state differ after loading at world size {world_size}: {mismatched}"
+    result = dist.run(world_size, _load_and_continue, checkpoint_at_world_size_2)[0]
+    assert result.mismatched == [], f"parameters / AdamW state differ after loading at world size {world_size}: {result.mismatched}"
     # Other world sizes sum gradients in another order: equal up to float rounding, not bitwise.
-    assert continued == pytest.approx(expected, rel=1e-5), (continued, expected)
+    assert result.continued_losses == pytest.approx(result.expected_losses, rel=1e-5), (result.continued_losses, result.expected_losses)
 
 
 def test_our_dcp_checkpoint_loads_into_torch_fully_shard_bitwise(dist, checkpoint_at_world_size_2):
-    mismatched, continued, expected = dist.run(2, _load_and_continue, checkpoint_at_world_size_2, "torch")[0]
-    assert mismatched == []
-    assert continued == expected
+    result = dist.run(2, _load_and_continue, checkpoint_at_world_size_2, "torch")[0]
+    assert result.mismatched == []
+    assert result.continued_losses == result.expected_losses
+
+
+class TorchCheckpointLoaded(NamedTuple):
+    mismatched: list[str]  # full parameters / optimizer states that differ from torch's
+    our_losses: list[float]  # training on after loading
+    torch_losses: list[float]  # torch's fully_shard training on after saving
 
 
 def _torch_saves_ours_loads(directory: str):
@@ -133,16 +146,22 @@ def _torch_saves_ours_loads(directory: str):
     ours, our_optimizer = _build(seed=123)
     _dcp_load(ours, our_optimizer, checkpoint)
     mismatched = _mismatches(_full_snapshot(ours, our_optimizer), expected)
-    return mismatched, _train(ours, our_optimizer, batches[2:]), _train(theirs, their_optimizer, batches[2:])
+    return TorchCheckpointLoaded(mismatched, _train(ours, our_optimizer, batches[2:]), _train(theirs, their_optimizer, batches[2:]))
 
 
 def test_torch_fully_shard_dcp_checkpoint_loads_into_ours_bitwise(dist, tmp_path):
-    mismatched, our_losses, their_losses = dist.run(2, _torch_saves_ours_loads, str(tmp_path))[0]
-    assert mismatched == []
-    assert our_losses == their_losses
+    result = dist.run(2, _torch_saves_ours_loads, str(tmp_path))[0]
+    assert result.mismatched == []
+    assert result.our_losses == result.torch_losses
 
 
 # --- sharded (default) ----------------------------------------------------------------------------
+
+
+class ShardedStateDict(NamedTuple):
+    names_match: bool  # the unsharded model's FQNs, in its order
+    all_dtensor: bool  # every value a DTensor sharded on dim 0
+    doubled: bool  # loading the doubled dict back doubled the parameters
 
 
 def _default_state_dict_is_sharded():
@@ -155,12 +174,22 @@ def _default_state_dict_is_sharded():
     edited = {k: v * 2 for k, v in state.items()}
     model.load_state_dict(edited)
     doubled = all(torch.equal(p.full_tensor(), 2 * r) for p, r in zip(model.parameters(), reference.parameters()))
-    return names_match, all_dtensor, doubled
+    return ShardedStateDict(names_match, all_dtensor, doubled)
 
 
 def test_default_state_dict_is_dtensors_under_original_names_and_loads_back(dist):
-    for names_match, all_dtensor, doubled in dist.run(2, _default_state_dict_is_sharded):
-        assert names_match and all_dtensor and doubled
+    for result in dist.run(2, _default_state_dict_is_sharded):
+        assert result.names_match and result.all_dtensor and result.doubled
+
+
+class CompiledNames(NamedTuple):
+    plain_names: bool  # torch.compile(model).state_dict() under the original FQNs
+    version_kept: bool  # with the wrapped model's metadata
+    doubled: bool  # load_state_dict on the wrapper took the original FQNs
+    restored: bool  # and the "_orig_mod."-prefixed ones
+    dcp_names: bool  # get_model_state_dict(torch.compile(model)) under the original FQNs
+    tripled: bool  # set_model_state_dict on the wrapper loaded
+    in_place_names: bool  # model.compile() kept the original FQNs
 
 
 def _compiled_model_keeps_original_names():
@@ -182,18 +211,21 @@ def _compiled_model_keeps_original_names():
     tripled = all(torch.equal(p.full_tensor(), 3 * r) for p, r in zip(model.parameters(), reference.parameters()))
     model.compile()  # in place: no wrapper, no prefix
     in_place_names = list(model.state_dict()) == names
-    return plain_names, version_kept, doubled, restored, dcp_names, tripled, in_place_names
+    return CompiledNames(plain_names, version_kept, doubled, restored, dcp_names, tripled, in_place_names)
 
 
 def test_compiled_model_checkpoints_under_original_names(dist):
-    plain_names, version_kept, doubled, restored, dcp_names, tripled, in_place_names = dist.run(
-        2, _compiled_model_keeps_original_names
-    )[0]
-    assert plain_names, "torch.compile(model).state_dict() must use the original FQNs, no '_orig_mod.'"
-    assert version_kept, "the wrapped model's state-dict metadata must survive the renaming"
-    assert doubled and restored, "load_state_dict on the compiled wrapper must take both spellings"
-    assert dcp_names and tripled, "get/set_model_state_dict(torch.compile(model)) must use the original FQNs"
-    assert in_place_names, "model.compile() must keep the original FQNs"
+    result = dist.run(2, _compiled_model_keeps_original_names)[0]
+    assert result.plain_names, "torch.compile(model).state_dict() must use the original FQNs, no '_orig_mod.'"
+    assert result.version_kept, "the wrapped model's state-dict metadata must survive the renaming"
+    assert result.doubled and result.restored, "load_state_dict on the compiled wrapper must take both spellings"
+    assert result.dcp_names and result.tripled, "get/set_model_state_dict(torch.compile(model)) must use the original FQNs"
+    assert result.in_place_names, "model.compile() must keep the original FQNs"
+
+
+class StateDictMidStep(NamedTuple):
+    values_ok: bool  # state_dict() between forward and backward held the full reference values
+    same_grads: bool  # and backward then gave the gradients it gives without that call
 
 
 def _state_dict_between_forward_and_backward():
@@ -212,12 +244,12 @@ def _state_dict_between_forward_and_backward():
         loss.backward()
         results.append([p.grad.full_tensor() for p in model.parameters()])
     same_grads = all(torch.equal(a, b) for a, b in zip(*results))
-    return values_ok, same_grads
+    return StateDictMidStep(values_ok, same_grads)
 
 
 def test_state_dict_between_forward_and_backward_is_correct_and_backward_still_works(dist):
-    for values_ok, same_grads in dist.run(2, _state_dict_between_forward_and_backward):
-        assert values_ok and same_grads
+    for result in dist.run(2, _state_dict_between_forward_and_backward):
+        assert result.values_ok and result.same_grads
 
 
 def _state_dict_inside_forward_raises():
@@ -241,6 +273,11 @@ def test_state_dict_during_forward_raises_clear_error(dist):
 # --- full -----------------------------------------------------------------------------------------
 
 
+class FullStateDictRank0(NamedTuple):
+    ok: bool  # rank 0: equal to the reference's, as CPU tensors; other ranks: empty
+    type_after: StateDictType  # the state-dict type once the context has exited
+
+
 def _full_state_dict_rank0_only_offload():
     reference = build_reference(SMALL)
     model = shard_model(copy.deepcopy(reference), fsdp_compile.fully_shard)
@@ -250,17 +287,17 @@ def _full_state_dict_rank0_only_offload():
     after = fsdp_compile.get_state_dict_type(model).state_dict_type
     expected = reference.state_dict()
     if dist.get_rank() != 0:
-        return full == {}, after
+        return FullStateDictRank0(full == {}, after)
     equal = list(full) == list(expected) and all(
         type(full[k]) is torch.Tensor and full[k].device.type == "cpu" and torch.equal(full[k], expected[k]) for k in expected
     )
-    return equal, after
+    return FullStateDictRank0(equal, after)
 
 
 def test_full_state_dict_rank0_only_offload_equals_reference_state_dict(dist):
-    for rank, (ok, after) in enumerate(dist.run(2, _full_state_dict_rank0_only_offload)):
-        assert ok, f"rank {rank}: full state dict wrong (rank 0: equal to reference; others: empty)"
-        assert after == StateDictType.SHARDED_STATE_DICT, "the context must restore the default"
+    for rank, result in enumerate(dist.run(2, _full_state_dict_rank0_only_offload)):
+        assert result.ok, f"rank {rank}: full state dict wrong (rank 0: equal to reference; others: empty)"
+        assert result.type_after == StateDictType.SHARDED_STATE_DICT, "the context must restore the default"
 
 
 def _loading_full_state_dict_reproduces_outputs(rank0_only: bool):
@@ -294,13 +331,18 @@ def test_default_load_accepts_full_plain_tensors_with_uneven_rows(dist):
 # --- local ----------------------------------------------------------------------------------------
 
 
+class SavedLocal(NamedTuple):
+    output_shape: torch.Size  # of output.weight's local shard
+    plain: bool  # every value a plain tensor
+
+
 def _save_local(directory: str):
     model = shard_model(build_reference(UNEVEN), fsdp_compile.fully_shard)
     with fsdp_compile.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
         local = model.state_dict()
     torch.save(local, os.path.join(directory, f"local_{dist.get_rank()}.pt"))
     padded = local["output.weight"].shape  # 37 rows over 2 ranks: 19 each, the last one padded
-    return padded, all(type(v) is torch.Tensor for v in local.values())
+    return SavedLocal(padded, all(type(v) is torch.Tensor for v in local.values()))
 
 
 def _load_local(directory: str, saved_world: int):
@@ -316,8 +358,8 @@ def _load_local(directory: str, saved_world: int):
 
 
 def test_local_state_dict_is_padded_shards_and_round_trips_at_same_world_size(dist, tmp_path):
-    padded, plain = dist.run(2, _save_local, str(tmp_path))[0]
-    assert padded == (19, UNEVEN.dim) and plain
+    saved = dist.run(2, _save_local, str(tmp_path))[0]
+    assert saved.output_shape == (19, UNEVEN.dim) and saved.plain
     assert dist.run(2, _load_local, str(tmp_path), 2) == [True, True]
 
 

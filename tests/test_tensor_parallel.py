@@ -6,6 +6,7 @@ sees the same data, so the global batch is split over the dp indices only.
 from __future__ import annotations
 
 import copy
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -135,17 +136,35 @@ def _movement(before: nn.Module, after: nn.Module) -> float:
     return max((a - b).abs().max().item() for a, b in zip(before.parameters(), after.parameters()))
 
 
-def _assert_matches_reference(results) -> None:
-    losses, reference_losses, param_diff, movement = results[0][:4]
+class Parity(NamedTuple):
+    losses: list[float]  # global loss per step, sharded
+    reference_losses: list[float]  # the single-process model's
+    max_param_gap: float  # between the sharded and the reference parameters after training
+    movement: float  # how far training moved the reference parameters
+
+
+def _assert_matches_reference(results: list[Parity]) -> None:
+    """``results``: per rank, a Parity or a result that starts with Parity's fields."""
+    first = results[0]
     for rank_result in results:
-        assert rank_result[0] == losses, "ranks disagree on the global loss"
-    for step, (ours, ref) in enumerate(zip(losses, reference_losses)):
+        assert rank_result.losses == first.losses, "ranks disagree on the global loss"
+    for step, (ours, ref) in enumerate(zip(first.losses, first.reference_losses)):
         assert abs(ours - ref) <= LOSS_RTOL * abs(ref), f"step {step}: loss {ours} vs reference {ref}"
-    assert param_diff <= PARAM_ATOL, f"parameters differ from the reference by {param_diff}"
-    assert movement > 100 * PARAM_ATOL, f"parameters moved only {movement}: the comparison proves nothing"
+    assert first.max_param_gap <= PARAM_ATOL, f"parameters differ from the reference by {first.max_param_gap}"
+    assert first.movement > 100 * PARAM_ATOL, f"parameters moved only {first.movement}: the comparison proves nothing"
 
 
 # --- 2-D: dp x tp ---------------------------------------------------------------------------------
+
+
+class TpParity(NamedTuple):  # Parity's fields, then what the first block's sharding looked like
+    losses: list[float]
+    reference_losses: list[float]
+    max_param_gap: float
+    movement: float
+    layouts: dict  # parameter name -> (placements, mesh dim names)
+    gathered_numels: set[int]  # elements each of the block's all-gathers sent
+    shard_numel: int  # elements of this rank's shards of the block
 
 
 def _tp_parity(reshard_after_forward=None, micro_batches: int = 1, explicit_prefetch: bool = False):
@@ -172,7 +191,7 @@ def _tp_parity(reshard_after_forward=None, micro_batches: int = 1, explicit_pref
     sent = sum(p.to_local().numel() for p in block.parameters())
     gathers = {r.numel for r in log if r.kind == "all_gather" and r.group == "layers.0"}
     reference_losses = train_reference_sgd(reference, batches)
-    return losses, reference_losses, max_param_difference(model, reference), _movement(initial, reference), layouts, gathers, sent
+    return TpParity(losses, reference_losses, max_param_difference(model, reference), _movement(initial, reference), layouts, gathers, sent)
 
 
 def train_reference_sgd(reference: nn.Module, batches, micro_batches: int = 1) -> list[float]:
@@ -190,12 +209,14 @@ def train_reference_sgd(reference: nn.Module, batches, micro_batches: int = 1) -
 def test_fsdp_over_tp_matches_single_process_reference(dist):
     results = dist.run(4, _tp_parity)
     _assert_matches_reference(results)
-    layouts, gathers, sent = results[0][4:]
+    first = results[0]
     # FSDP2's layout: dp placement first, TP's kept; colwise (TP on dim 0) needs _StridedShard on dp.
-    assert layouts["attention.wq.weight"] == ("(_StridedShard(dim=0, sf=2), Shard(dim=0))", ("dp", "tp"))
-    assert layouts["attention.wo.weight"] == ("(Shard(dim=0), Shard(dim=1))", ("dp", "tp"))
-    assert layouts["ffn_norm.weight"] == ("(Shard(dim=0),)", ("dp",))
-    assert gathers == {sent}, f"the block's all-gathers sent {gathers} elements, its dp shards hold {sent}"
+    assert first.layouts["attention.wq.weight"] == ("(_StridedShard(dim=0, sf=2), Shard(dim=0))", ("dp", "tp"))
+    assert first.layouts["attention.wo.weight"] == ("(Shard(dim=0), Shard(dim=1))", ("dp", "tp"))
+    assert first.layouts["ffn_norm.weight"] == ("(Shard(dim=0),)", ("dp",))
+    assert first.gathered_numels == {first.shard_numel}, (
+        f"the block's all-gathers sent {first.gathered_numels} elements, its dp shards hold {first.shard_numel}"
+    )
 
 
 def test_fsdp_over_tp_keeps_params_no_sync_and_prefetch_semantics(dist):
@@ -211,7 +232,7 @@ def _cpu_offload_parity():
     model = parallelize(copy.deepcopy(reference), fsdp_compile.fully_shard, mesh["tp"], mesh["dp"], offload_policy=offload)
     losses = train(model, batches, mesh.get_local_rank("dp"), 2)
     reference_losses = train_reference_sgd(reference, batches)
-    return losses, reference_losses, max_param_difference(model, reference), _movement(initial, reference)
+    return Parity(losses, reference_losses, max_param_difference(model, reference), _movement(initial, reference))
 
 
 def test_cpu_offload_over_tp_matches_single_process_reference(dist):
@@ -233,6 +254,14 @@ def _meta_init_then_load() -> float:
 
 def test_meta_device_init_then_load_over_tp(dist):
     assert dist.run(4, _meta_init_then_load)[0] < 1e-6
+
+
+class TorchParity(NamedTuple):
+    our_losses: list[float]
+    torch_losses: list[float]  # torch's fully_shard's
+    max_param_gap: float
+    movement: float  # how far training moved torch's parameters
+    placements_match: bool  # every sharded parameter laid out as torch lays it out
 
 
 def _bf16_against_torch_fsdp2():
@@ -261,19 +290,27 @@ def _bf16_against_torch_fsdp2():
     movement = max(
         (b.full_tensor() - a).abs().max().item() for a, b in zip(initial.parameters(), theirs.parameters())
     )
-    return our_losses, their_losses, param_diff, movement, placements_match
+    return TorchParity(our_losses, their_losses, param_diff, movement, placements_match)
 
 
 # Same TP pieces, shards, casts and collectives as FSDP2: on torch 2.13 the two agree bitwise,
 # stronger than the 1e-2 bf16 bound of DESIGN.md section 6.
 def test_bf16_mixed_precision_over_tp_matches_torch_fsdp2_bitwise(dist):
-    ours, theirs, param_diff, movement, placements_match = dist.run(4, _bf16_against_torch_fsdp2)[0]
-    assert placements_match, "sharded parameters are not laid out as FSDP2 lays them out"
-    assert ours == theirs
-    assert param_diff == 0.0 and movement > 1e-3
+    result = dist.run(4, _bf16_against_torch_fsdp2)[0]
+    assert result.placements_match, "sharded parameters are not laid out as FSDP2 lays them out"
+    assert result.our_losses == result.torch_losses
+    assert result.max_param_gap == 0.0 and result.movement > 1e-3
 
 
 # --- 3-D: HSDP + TP --------------------------------------------------------------------------------
+
+
+class LayoutParity(NamedTuple):  # Parity's fields, then one parameter's placements
+    losses: list[float]
+    reference_losses: list[float]
+    max_param_gap: float
+    movement: float
+    layout: str  # the first block's first TP-sharded weight's placements
 
 
 def _hsdp_tp_parity():
@@ -286,13 +323,13 @@ def _hsdp_tp_parity():
     layout = str(tuple(model.layers[0].attention.wq.weight.placements))
     losses = train(model, batches, data_rank, 4)
     reference_losses = train_reference_sgd(reference, batches)
-    return losses, reference_losses, max_param_difference(model, reference), _movement(initial, reference), layout
+    return LayoutParity(losses, reference_losses, max_param_difference(model, reference), _movement(initial, reference), layout)
 
 
 def test_hsdp_over_tp_on_3d_mesh_matches_single_process_reference(dist):
     results = dist.run(8, _hsdp_tp_parity)
     _assert_matches_reference(results)
-    assert results[0][4] == "(Replicate(), _StridedShard(dim=0, sf=2), Shard(dim=0))"
+    assert results[0].layout == "(Replicate(), _StridedShard(dim=0, sf=2), Shard(dim=0))"
 
 
 # --- dp_mesh_dims: parameters on the full mesh (FSDP2 2.13's SPMD form) ---------------------------
@@ -370,19 +407,19 @@ def _dp_mesh_dims_parity(hsdp: bool = False):
         theirs.step()
         theirs.zero_grad()
         reference_losses.append(reference_loss.item())
-    return losses, reference_losses, max_param_difference(model, reference), _movement(initial, reference), layout
+    return LayoutParity(losses, reference_losses, max_param_difference(model, reference), _movement(initial, reference), layout)
 
 
 def test_dp_mesh_dims_on_the_full_mesh_matches_single_process_reference(dist):
     results = dist.run(4, _dp_mesh_dims_parity)
     _assert_matches_reference(results)
-    assert results[0][4] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
+    assert results[0].layout == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
 
 
 def test_dp_mesh_dims_hsdp_on_3d_mesh_matches_single_process_reference(dist):
     results = dist.run(8, _dp_mesh_dims_parity, True)
     _assert_matches_reference(results)
-    assert results[0][4] == "(Replicate(), _StridedShard(dim=0, sf=2), Shard(dim=0))"
+    assert results[0].layout == "(Replicate(), _StridedShard(dim=0, sf=2), Shard(dim=0))"
 
 
 # --- state dicts -----------------------------------------------------------------------------------
@@ -446,6 +483,14 @@ def test_fsdp2_tp_checkpoint_loads_into_ours_and_back_bitwise(dist, tmp_path):
     assert _mismatched(dist.run(4, _dcp_load, ours_dir, 2, 2, "torch")[0], ours) == []
 
 
+class FullAcrossTp(NamedTuple):
+    plain_tensors: bool  # the full state dict holds plain tensors only
+    state_mismatch: list[str]  # state-dict entries that differ from the full parameters
+    exposed_mismatch: list[str]  # parameters unshard_params exposed that differ from them
+    edit_written_back: bool  # an in-place edit under unshard_params reached the TP shards
+    full_state_loaded: bool  # an edited full state dict loaded into the TP shards
+
+
 def _full_state_dict_and_unshard_params():
     model = _parallelized(2, 2, seed=1)
     full = _full_params(model)
@@ -460,14 +505,14 @@ def _full_state_dict_and_unshard_params():
     state["layers.1.feed_forward.w2.weight"] = state["layers.1.feed_forward.w2.weight"] + 1
     model.load_state_dict(state)
     loaded = torch.equal(model.layers[1].feed_forward.w2.weight.full_tensor(), full["layers.1.feed_forward.w2.weight"] + 1)
-    return plain, state_mismatch, exposed_mismatch, written, loaded
+    return FullAcrossTp(plain, state_mismatch, exposed_mismatch, written, loaded)
 
 
 def test_full_state_dict_and_unshard_params_are_full_across_tp(dist):
-    plain, state_mismatch, exposed_mismatch, written, loaded = dist.run(4, _full_state_dict_and_unshard_params)[0]
-    assert plain and state_mismatch == [] and exposed_mismatch == []
-    assert written, "unshard_params did not write an edit back into the TP shards"
-    assert loaded, "a full state dict did not load into the TP shards"
+    result = dist.run(4, _full_state_dict_and_unshard_params)[0]
+    assert result.plain_tensors and result.state_mismatch == [] and result.exposed_mismatch == []
+    assert result.edit_written_back, "unshard_params did not write an edit back into the TP shards"
+    assert result.full_state_loaded, "a full state dict did not load into the TP shards"
 
 
 # --- errors ----------------------------------------------------------------------------------------
@@ -552,6 +597,15 @@ def test_already_managed_error_only_when_true(error_messages):
     assert "'1.w1.weight' is already managed by fully_shard(FeedForward)" in error_messages["tied"]
 
 
+class CompiledTpParity(NamedTuple):
+    losses: list[float]  # compiled
+    reference_losses: list[float]
+    max_param_gap: float  # between the compiled model's and the reference's parameters
+    eager_losses: list[float]
+    collectives: dict  # (graph kind, "fsdp" or "tp", collective) -> count in the compiled graphs
+    graph_breaks: int
+
+
 def _compiled_tp_parity():
     """The whole model under fsdp_aot_eager (fsdp_inductor's tracing, checks and passes without code
     generation) against eager and the single-process reference; what the graphs hold."""
@@ -580,16 +634,17 @@ def _compiled_tp_parity():
     counters = torch._dynamo.utils.counters
     breaks = sum(counters["graph_break"].values())
     torch._dynamo.reset()
-    return losses, reference_losses, max_param_difference(model, reference), eager_losses, kinds, breaks
+    return CompiledTpParity(losses, reference_losses, max_param_difference(model, reference), eager_losses, kinds, breaks)
 
 
 def test_compiled_fsdp_over_tp_holds_both_kinds_of_collectives_and_matches_eager(dist):
     results = dist.run(4, _compiled_tp_parity)
-    losses, reference_losses, param_diff, eager_losses, kinds, breaks = results[0]
-    for ours, eager, ref in zip(losses, eager_losses, reference_losses):
-        assert abs(ours - eager) <= LOSS_RTOL * abs(eager) and abs(ours - ref) <= LOSS_RTOL * abs(ref), (losses, eager_losses)
-    assert param_diff <= PARAM_ATOL, param_diff
-    assert breaks == 0
+    result = results[0]
+    kinds = result.collectives
+    for ours, eager, ref in zip(result.losses, result.eager_losses, result.reference_losses):
+        assert abs(ours - eager) <= LOSS_RTOL * abs(eager) and abs(ours - ref) <= LOSS_RTOL * abs(ref), (result.losses, result.eager_losses)
+    assert result.max_param_gap <= PARAM_ATOL, result.max_param_gap
+    assert result.graph_breaks == 0
     # FSDP's: one bucketed all-gather per group in forward (the block + root), a re-gather of the
     # block and one reduce-scatter per group in backward. TP's own: the rowwise all-reduces
     # (attention.wo, feed_forward.w2) forward, the colwise input-gradient ones backward.

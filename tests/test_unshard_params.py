@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -22,6 +23,12 @@ def _tokens():
     return local_part(global_batches(1, 2, dist.get_world_size(), config=UNEVEN)[0])
 
 
+class FullParams(NamedTuple):
+    inside: bool  # inside unshard_params: plain full parameters equal to the reference's
+    names: bool  # under the reference's names
+    after: bool  # sharded DTensors again after it
+
+
 def _reads_full_params():
     reference = build_reference(UNEVEN)
     model = _sharded_copy(reference)
@@ -32,12 +39,12 @@ def _reads_full_params():
         ]
         names = [n for n, _ in model.named_parameters()] == [n for n, _ in reference.named_parameters()]
     after = all(isinstance(p.data, DTensor) for p in model.parameters())
-    return all(inside), names, after
+    return FullParams(all(inside), names, after)
 
 
 def test_full_parameters_are_plain_tensors_inside_and_shards_after(dist):
-    for inside, names, after in dist.run(2, _reads_full_params):
-        assert inside and names and after
+    for result in dist.run(2, _reads_full_params):
+        assert result.inside and result.names and result.after
 
 
 def _writeback(writeback: bool):
@@ -55,6 +62,12 @@ def test_in_place_edits_reach_the_shards_only_with_writeback(dist, writeback):
     assert all(dist.run(2, _writeback, writeback))
 
 
+class RecordedGathers(NamedTuple):
+    recorded: list[tuple[str, str, str]]  # (kind, group, reason) of every collective
+    names: list[str]  # the model's parameter names
+    keys: list[str]  # its state-dict keys (tied weights: one each)
+
+
 def _recorded_gathers():
     reference = build_reference(UNEVEN)
     model = _sharded_copy(reference)
@@ -66,11 +79,12 @@ def _recorded_gathers():
             model.state_dict()
     names = [n for n, _ in reference.named_parameters()]
     keys = [n for n, _ in reference.named_parameters(remove_duplicate=False)]  # tied weights: one key each
-    return [(r.kind, r.group, r.reason) for r in log], names, keys
+    return RecordedGathers([(r.kind, r.group, r.reason) for r in log], names, keys)
 
 
 def test_unshard_params_and_full_state_dict_gathers_are_recorded(dist):
-    recorded, names, keys = dist.run(2, _recorded_gathers)[0]
+    result = dist.run(2, _recorded_gathers)[0]
+    recorded, names, keys = result.recorded, result.names, result.keys
     assert {kind for kind, _, _ in recorded} == {"all_gather"}
     for reason, expected in (("unshard_params", names), ("unshard_params-grad", names), ("state_dict", keys)):
         gathered = [group for _, group, why in recorded if why == reason]
@@ -95,6 +109,11 @@ def test_forward_after_writeback_uses_the_edited_values(dist):
     assert dist.run(2, _edited_params_are_used_by_the_next_forward) == [0.0, 0.0]
 
 
+class Rank0Only(NamedTuple):
+    sharded_kinds: set[bool]  # whether each parameter inside the context is a DTensor
+    full_equal: bool  # rank 0: full CPU parameters equal to the reference's; other ranks: True
+
+
 def _rank0_only():
     reference = build_reference(UNEVEN)
     model = _sharded_copy(reference)
@@ -103,13 +122,18 @@ def _rank0_only():
         full_equal = dist.get_rank() != 0 or all(
             torch.equal(p, r) and p.device.type == "cpu" for p, r in zip(model.parameters(), reference.parameters())
         )
-    return kinds, full_equal
+    return Rank0Only(kinds, full_equal)
 
 
 def test_rank0_only_shows_full_params_on_rank_0_and_shards_elsewhere(dist):
-    (kinds0, equal0), (kinds1, equal1) = dist.run(2, _rank0_only)
-    assert kinds0 == {False} and equal0
-    assert kinds1 == {True} and equal1
+    rank0, rank1 = dist.run(2, _rank0_only)
+    assert rank0.sharded_kinds == {False} and rank0.full_equal
+    assert rank1.sharded_kinds == {True} and rank1.full_equal
+
+
+class FullGrads(NamedTuple):
+    seen: bool  # inside the context each parameter's grad is its full gradient
+    written: bool  # an in-place edit of it reached the sharded gradient
 
 
 def _with_grads():
@@ -123,12 +147,12 @@ def _with_grads():
         for param in model.parameters():
             param.grad.mul_(3)
     written = all(torch.equal(p.grad.full_tensor(), 3 * g) for p, g in zip(model.parameters(), expected))
-    return seen, written
+    return FullGrads(seen, written)
 
 
 def test_with_grads_exposes_full_gradients_and_writes_edits_back(dist):
-    for seen, written in dist.run(2, _with_grads):
-        assert seen and written
+    for result in dist.run(2, _with_grads):
+        assert result.seen and result.written
 
 
 def _misuse(case: str):
