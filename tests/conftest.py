@@ -11,16 +11,11 @@ from __future__ import annotations
 import importlib
 import os
 import queue
-import shutil
 import socket
-import subprocess
 import sys
-import tempfile
 import time
 import traceback
-from dataclasses import dataclass
 from datetime import timedelta
-from types import ModuleType
 from typing import Any, Callable
 
 import pytest
@@ -162,85 +157,3 @@ def fake_world(request):
     yield request.param
     torch._dynamo.reset()
     torch_dist.destroy_process_group()
-
-
-# [Note: a long subprocess runs beside the suite]
-# The benchmark smoke test checks one end-to-end run of ``python -m benchmarks`` (two ranks, five
-# modes, three of them compiling: about a minute). The suite's single-process tests (kernels under
-# the Triton interpreter, passes on a fake process group, the cost model) keep one of the two cores
-# idle, so the run starts in the background as soon as the tests are collected, the tests that
-# spawn no ranks (no ``dist`` fixture) run first, beside it, and its own tests run last. (Run
-# beside the compile-heavy distributed tests instead, it only slowed them: measured 507 s for the
-# suite against 452 s without the background run.) A test module opts in by defining
-# ``background_command(out_dir) -> (argv, cwd)``; its tests read the outcome through the
-# ``background_run`` fixture. Output goes to files, not pipes, so a chatty run cannot block.
-
-
-@dataclass
-class BackgroundOutcome:
-    returncode: int
-    stdout: str
-    stderr: str
-    out_dir: str
-
-
-class _BackgroundRun:
-    def __init__(self, module: ModuleType) -> None:
-        self.work_dir = tempfile.mkdtemp(prefix=f"{module.__name__}-")
-        self.out_dir = os.path.join(self.work_dir, "out")
-        command, cwd = module.background_command(self.out_dir)
-        self.stdout = open(os.path.join(self.work_dir, "stdout"), "w+")
-        self.stderr = open(os.path.join(self.work_dir, "stderr"), "w+")
-        self.process = subprocess.Popen(command, cwd=cwd, stdout=self.stdout, stderr=self.stderr, text=True)
-
-    def outcome(self, timeout_s: float) -> BackgroundOutcome:
-        try:
-            self.process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        texts = []
-        for stream in (self.stdout, self.stderr):
-            stream.seek(0)
-            texts.append(stream.read())
-        return BackgroundOutcome(self.process.returncode, texts[0], texts[1], self.out_dir)
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-        self.stdout.close()
-        self.stderr.close()
-        shutil.rmtree(self.work_dir, ignore_errors=True)
-
-
-_background_runs: dict[str, _BackgroundRun] = {}
-
-
-def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    background = [item for item in items if hasattr(getattr(item, "module", None), "background_command")]
-    if not background:
-        return
-    rest = [item for item in items if item not in background]
-    single_process = [item for item in rest if "dist" not in getattr(item, "fixturenames", ())]
-    items[:] = single_process + [item for item in rest if item not in single_process] + background
-    for item in background:
-        if item.module.__name__ not in _background_runs:
-            _background_runs[item.module.__name__] = _BackgroundRun(item.module)
-
-
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    for run in _background_runs.values():
-        run.close()
-    _background_runs.clear()
-
-
-@pytest.fixture(scope="session")
-def background_run() -> Callable[..., BackgroundOutcome]:
-    """``background_run(module, timeout_s)``: the outcome of the module's background command;
-    see [Note: a long subprocess runs beside the suite]."""
-
-    def outcome(module: ModuleType, timeout_s: float) -> BackgroundOutcome:
-        return _background_runs[module.__name__].outcome(timeout_s)
-
-    return outcome

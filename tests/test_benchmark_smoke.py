@@ -1,17 +1,16 @@
 """``python -m benchmarks`` end to end on a tiny model: 2 gloo ranks, 1 warm-up + 2 measured steps.
 
 Checks what the run produces (table, JSON, PNG) and that the two eager runtimes agree on the
-loss; every default mode must run; no timing is asserted. The benchmark runs once per session, in
-a subprocess, as a user runs it: started in the background when the tests are collected and these
-tests run last (see [Note: a long subprocess runs beside the suite] in conftest.py).
+loss; every default mode must run; no timing is asserted. The benchmark runs once per module, in
+a subprocess, as a user runs it.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -26,18 +25,14 @@ MUST_RUN = MODES
 TINY = ["--dim", "32", "--layers", "2", "--heads", "4", "--vocab", "64", "--seq", "16", "--batch", "2"]
 
 
-def background_command(out_dir: str) -> tuple[list[str], str]:
-    """The run these tests check, and the directory to run it in (conftest.py starts it)."""
-    command = [sys.executable, "-m", "benchmarks", "--modes", ",".join(MODES), *TINY,
-               "--steps", "2", "--warmup", "1", "--no-warm-compile", "--world-size", "2", "--device", "cpu", "--out-dir", out_dir]
-    return command, REPO_DIR
-
-
 @pytest.fixture(scope="module")
-def run(background_run):
-    done = background_run(sys.modules[__name__], timeout_s=600)
+def run(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("bench_out")
+    command = [sys.executable, "-m", "benchmarks", "--modes", ",".join(MODES), *TINY,
+               "--steps", "2", "--warmup", "1", "--no-warm-compile", "--world-size", "2", "--device", "cpu", "--out-dir", str(out_dir)]
+    done = subprocess.run(command, cwd=REPO_DIR, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"benchmark failed:\n{done.stdout}\n{done.stderr[-4000:]}"
-    return done.stdout, Path(done.out_dir)
+    return done.stdout, out_dir
 
 
 def _table_rows(stdout: str) -> dict[str, list[str]]:
