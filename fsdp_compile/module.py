@@ -502,6 +502,38 @@ _block_region = torch.compiler.nested_compile_region(
 #    argument kind Dynamo's reuse does not take: it traces each block's body on its own, as before
 #    reuse, and AOTAutograd and Inductor still compile identical bodies once. With the default
 #    ``dynamic=None`` only the dims that changed turn symbolic (batch, sequence) and reuse stays on.
+def _let_a_block_body_graph_break() -> None:
+    """See [Note: a block whose body graph-breaks]; once per process, a no-op on a torch without
+    the hook it relies on."""
+    try:
+        from torch._dynamo.variables.invoke_subgraph import InvokeSubgraphHigherOrderVariable, get_fn_code
+    except ImportError:
+        return
+    traced = InvokeSubgraphHigherOrderVariable.call_function
+    if getattr(traced, "_fsdp_compile_block_fallback", False) or not hasattr(InvokeSubgraphHigherOrderVariable, "_ALLOW_FALLBACK_TO_EAGER"):
+        return
+
+    def call_function(self: Any, tx: Any, args: Any, kwargs: Any) -> Any:
+        if args and get_fn_code(args[0]) is _run_block_with.__code__:
+            self._ALLOW_FALLBACK_TO_EAGER = True  # this call only: other regions keep torch's hard error
+        return traced(self, tx, args, kwargs)
+
+    call_function._fsdp_compile_block_fallback = True  # type: ignore[attr-defined]
+    InvokeSubgraphHigherOrderVariable.call_function = call_function
+
+
+# [Note: a block whose body graph-breaks]
+# Dynamo refuses a graph break inside a nested compile region outright (UncapturedHigherOrderOpError:
+# torch 2.13 gives invoke_subgraph no fallback), so a block whose forward breaks (a print, a
+# data-dependent .item() branch, an unsupported call) would crash a whole-model compile that traces
+# the same block inline without trouble. For our block region alone, Dynamo is let to do what it does
+# for a break anywhere else: break the graph at the region's call, run that call eagerly and compile
+# the frames inside it on their own. The block then runs as an inlined block with a graph break does
+# (its parameters gathered in the graph before the break, read as plain tensors after it), which
+# trains like eager (tests/test_compile_blocks.py); it is not compiled once for all blocks.
+_let_a_block_body_graph_break()
+
+
 class _TraceOnItsOwn:
     """Passed to a block region: Dynamo does not reuse a traced body across calls taking one."""
 

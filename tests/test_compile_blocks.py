@@ -307,14 +307,26 @@ class _IndexedBlock(nn.Module):
         return x + torch.tanh(self.proj(x)) / (self.layer_id + 1)
 
 
+class _BreakingBlock(_IndexedBlock):
+    """A block whose forward has a graph break (as a print or a data-dependent branch would)."""
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + torch.tanh(self.proj(x))
+        torch._dynamo.graph_break()
+        return x * 0.5
+
+
 def _whole_model_past_dynamos_reuse_limits(case: str):
     """[Note: where Dynamo's body reuse stops] in module.py: twelve blocks of twelve structures
-    (Dynamo keeps at most 8 reuse entries by default), and ``dynamic=True`` (every dim symbolic)."""
+    (Dynamo keeps at most 8 reuse entries by default), and ``dynamic=True`` (every dim symbolic);
+    [Note: a block whose body graph-breaks]."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     reference = Transformer(TransformerConfig(vocab_size=32, dim=16, n_layers=12 if case == "twelve_structures" else 2, n_heads=2, max_seq_len=16))
     if case == "twelve_structures":
         reference.layers = nn.ModuleList(_IndexedBlock(i) for i in range(12))
+    elif case == "body_graph_breaks":
+        reference.layers = nn.ModuleList(_BreakingBlock(i) for i in range(3))
     eager, compiled = _shard(copy.deepcopy(reference), MixedPrecisionPolicy()), _shard(copy.deepcopy(reference), MixedPrecisionPolicy())
     body_traces_before = len(compilation_time_metrics.get("invoke_subgraph_trace", []))
     runner = torch.compile(compiled, backend="fsdp_aot_eager", dynamic=True if case == "dynamic" else None)
@@ -328,14 +340,15 @@ def _whole_model_past_dynamos_reuse_limits(case: str):
     }
 
 
-@pytest.mark.parametrize("case", ["twelve_structures", "dynamic"])
+@pytest.mark.parametrize("case", ["twelve_structures", "dynamic", "body_graph_breaks"])
 def test_whole_model_past_dynamos_reuse_limits_traces_each_block_and_trains_like_eager(dist, case):
     result = dist.run(2, _whole_model_past_dynamos_reuse_limits, case)[0]
     for eager, compiled in zip(result["eager_losses"], result["compiled_losses"]):
         assert abs(eager - compiled) <= 1e-5 * abs(eager), result
     assert result["param_gap"] < 1e-5, result
-    # Each block's body traced on its own (once per compile: the first step's, then the dynamic one).
-    assert result["dynamo_body_traces"] >= (12 if case == "twelve_structures" else 2), result
+    if case != "body_graph_breaks":  # a body that breaks is not a region: Dynamo breaks the graph at its call
+        # Each block's body traced on its own (once per compile: the first step's, then the dynamic one).
+        assert result["dynamo_body_traces"] >= (12 if case == "twelve_structures" else 2), result
 
 
 def _one_compiled_step_of_tiny_lm(cache_dir: str) -> tuple[float, dict[str, int]]:
