@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 from torch._dynamo.utils import compilation_time_metrics
 
 from fsdp_compile import MixedPrecisionPolicy, fully_shard
@@ -316,13 +317,25 @@ class _BreakingBlock(_IndexedBlock):
         return x * 0.5
 
 
+class _CheckpointedBlocksTransformer(Transformer):
+    """Each fully_shard block called under activation checkpointing, as Hugging Face's
+    gradient_checkpointing_enable() calls its decoder layers."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = checkpoint(layer, x, self.rope_cos, self.rope_sin, use_reentrant=False)
+        return self.output(self.norm(x))
+
+
 def _whole_model_past_dynamos_reuse_limits(case: str):
     """[Note: where Dynamo's body reuse stops] in module.py: twelve blocks of twelve structures
     (Dynamo keeps at most 8 reuse entries by default), and ``dynamic=True`` (every dim symbolic);
-    [Note: a block whose body graph-breaks]."""
+    [Note: a block whose body graph-breaks]; blocks called under activation checkpointing."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    reference = Transformer(TransformerConfig(vocab_size=32, dim=16, n_layers=12 if case == "twelve_structures" else 2, n_heads=2, max_seq_len=16))
+    model_class = _CheckpointedBlocksTransformer if case == "checkpoint_around_blocks" else Transformer
+    reference = model_class(TransformerConfig(vocab_size=32, dim=16, n_layers=12 if case == "twelve_structures" else 2, n_heads=2, max_seq_len=16))
     if case == "twelve_structures":
         reference.layers = nn.ModuleList(_IndexedBlock(i) for i in range(12))
     elif case == "body_graph_breaks":
@@ -340,13 +353,13 @@ def _whole_model_past_dynamos_reuse_limits(case: str):
     }
 
 
-@pytest.mark.parametrize("case", ["twelve_structures", "dynamic", "body_graph_breaks"])
+@pytest.mark.parametrize("case", ["twelve_structures", "dynamic", "body_graph_breaks", "checkpoint_around_blocks"])
 def test_whole_model_past_dynamos_reuse_limits_traces_each_block_and_trains_like_eager(dist, case):
     result = dist.run(2, _whole_model_past_dynamos_reuse_limits, case)[0]
     for eager, compiled in zip(result["eager_losses"], result["compiled_losses"]):
         assert abs(eager - compiled) <= 1e-5 * abs(eager), result
     assert result["param_gap"] < 1e-5, result
-    if case != "body_graph_breaks":  # a body that breaks is not a region: Dynamo breaks the graph at its call
+    if case in ("twelve_structures", "dynamic"):  # a body that breaks is not a region: Dynamo breaks the graph at its call
         # Each block's body traced on its own (once per compile: the first step's, then the dynamic one).
         assert result["dynamo_body_traces"] >= (12 if case == "twelve_structures" else 2), result
 
