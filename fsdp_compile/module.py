@@ -22,7 +22,7 @@ from fsdp_compile.optimizer_check import install_optimizer_check, mark_replaced
 from fsdp_compile.param import FSDPParam, ParamRef, parameters_placed_for_trace
 from fsdp_compile.param_group import FSDPParamGroup
 from fsdp_compile.state import FSDPState, all_states_under, state_of
-from fsdp_compile.structures import map_tensors
+from fsdp_compile.structures import map_tensors, tensors_in
 from fsdp_compile.state_dict import register_state_dict_hooks
 from fsdp_compile import config
 from fsdp_compile.traceable import install_traced_param_access
@@ -75,7 +75,7 @@ class FSDPModule:
             state = self._fsdp_state()
             if state.compiles_as_region:
                 unsharded = state.traced_unshard(state.group.fsdp_params)
-                return _block_region(self, unsharded, args, kwargs, _reuse_marker())
+                return _block_region(self, unsharded, args, kwargs, _reuse_marker(args, kwargs))
         elif self._fsdp_state().hooks_stood_aside():
             return self._forward_with_eager_hooks(args, kwargs)
         return super().forward(*args, **kwargs)  # type: ignore[misc]
@@ -495,13 +495,15 @@ _block_region = torch.compiler.nested_compile_region(
 #    has more than ``max_reuse_entries`` (8 by default): a model whose blocks differ in anything
 #    their forward reads (a per-layer index or window, say) would fail at its ninth block. A model
 #    has at most as many structures as blocks, so the region takes no bound.
-# 2. With ``torch.compile(dynamic=True)`` every dim starts symbolic, and the first block's trace
-#    specializes some of them (the hidden size, against the static weights). torch 2.13's stamp-out
-#    of a reused body then looks up the specialized symbols as integers and fails (``KeyError: 16``
-#    in stamp_out_subgraph, seen on the Transformer). There each block passes a marker object, an
-#    argument kind Dynamo's reuse does not take: it traces each block's body on its own, as before
-#    reuse, and AOTAutograd and Inductor still compile identical bodies once. With the default
-#    ``dynamic=None`` only the dims that changed turn symbolic (batch, sequence) and reuse stays on.
+# 2. torch 2.13's stamp-out of a reused body fails on symbolic sizes: with ``dynamic=True`` (every
+#    dim starts symbolic) the first block's trace specializes some (the hidden size, against the
+#    static weights) and the stamp-out looks them up as integers (``KeyError: 16`` in
+#    stamp_out_subgraph, on the Transformer); after a sequence length changed under the default
+#    ``dynamic=None``, a block called under activation checkpointing fails alike (``KeyError: s50``:
+#    the checkpoint's tracer does not hold the symbol). So a block whose inputs have a symbolic size,
+#    or any block under ``dynamic=True``, passes a marker object, an argument kind Dynamo's reuse does
+#    not take: its body is traced on its own, as before reuse, and AOTAutograd and Inductor still
+#    compile identical bodies once. Static shapes, the usual training step, keep the reuse.
 def _let_a_block_body_graph_break() -> None:
     """See [Note: a block whose body graph-breaks]; once per process, a no-op on a torch without
     the hook it relies on."""
@@ -541,9 +543,10 @@ class _TraceOnItsOwn:
 _TRACE_ON_ITS_OWN = _TraceOnItsOwn()
 
 
-def _reuse_marker() -> object:
+def _reuse_marker(args: tuple, kwargs: dict) -> object:
     """``None`` (reuse the traced body) or the marker; see [Note: where Dynamo's body reuse stops]."""
-    return None if torch._dynamo.config.assume_static_by_default else _TRACE_ON_ITS_OWN
+    symbolic = any(isinstance(size, torch.SymInt) for tensor in tensors_in((args, kwargs)) for size in tensor.shape)
+    return _TRACE_ON_ITS_OWN if symbolic or not torch._dynamo.config.assume_static_by_default else None
 
 
 def _user_class(cls: type) -> type:
