@@ -504,6 +504,19 @@ _block_region = torch.compiler.nested_compile_region(
 #    or any block under ``dynamic=True``, passes a marker object, an argument kind Dynamo's reuse does
 #    not take: its body is traced on its own, as before reuse, and AOTAutograd and Inductor still
 #    compile identical bodies once. Static shapes, the usual training step, keep the reuse.
+class _TraceOnItsOwn:
+    """Passed to a block region: Dynamo does not reuse a traced body across calls taking one."""
+
+
+_TRACE_ON_ITS_OWN = _TraceOnItsOwn()
+
+
+def _reuse_marker(args: tuple, kwargs: dict) -> object:
+    """``None`` (reuse the traced body) or the marker; see [Note: where Dynamo's body reuse stops]."""
+    symbolic = any(isinstance(size, torch.SymInt) for tensor in tensors_in((args, kwargs)) for size in tensor.shape)
+    return _TRACE_ON_ITS_OWN if symbolic or not torch._dynamo.config.assume_static_by_default else None
+
+
 def _let_a_block_body_graph_break() -> None:
     """See [Note: a block whose body graph-breaks]; once per process, a no-op on a torch without
     the hook it relies on."""
@@ -534,19 +547,6 @@ def _let_a_block_body_graph_break() -> None:
 # (its parameters gathered in the graph before the break, read as plain tensors after it), which
 # trains like eager (tests/test_compile_blocks.py); it is not compiled once for all blocks.
 _let_a_block_body_graph_break()
-
-
-class _TraceOnItsOwn:
-    """Passed to a block region: Dynamo does not reuse a traced body across calls taking one."""
-
-
-_TRACE_ON_ITS_OWN = _TraceOnItsOwn()
-
-
-def _reuse_marker(args: tuple, kwargs: dict) -> object:
-    """``None`` (reuse the traced body) or the marker; see [Note: where Dynamo's body reuse stops]."""
-    symbolic = any(isinstance(size, torch.SymInt) for tensor in tensors_in((args, kwargs)) for size in tensor.shape)
-    return _TRACE_ON_ITS_OWN if symbolic or not torch._dynamo.config.assume_static_by_default else None
 
 
 def _user_class(cls: type) -> type:

@@ -51,6 +51,7 @@ from fsdp_compile.state_dict import get_state_dict_type
 
 __all__ = ["optim_state_dict", "optim_state_dict_to_load", "rekey_optim_state_dict"]
 
+
 def optim_state_dict(
     model: nn.Module,
     optim: torch.optim.Optimizer,
