@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -223,3 +223,31 @@ def count_process_group_calls():
     finally:
         for owner, attribute, value in patched:
             setattr(owner, attribute, value)
+
+
+class Parity(NamedTuple):
+    """A worker's comparison of sharded training with an unsharded reference (workers with more to
+    report return a NamedTuple that starts with these fields)."""
+
+    losses: list[float]  # global loss per step, sharded
+    reference_losses: list[float]  # the unsharded model's
+    max_param_gap: float  # between the sharded and the reference parameters after training
+    movement: float  # how far training moved the reference parameters
+
+
+def parameter_movement(before: nn.Module, after: nn.Module) -> float:
+    """The largest change of any parameter between two copies of a model."""
+    return max((a - b).abs().max().item() for a, b in zip(before.parameters(), after.parameters()))
+
+
+def assert_matches_reference(results: list, loss_rtol: float, param_atol: float) -> None:
+    """``results``: per rank, a ``Parity`` or a result that starts with its fields. The ranks agree
+    on the loss, which follows the reference's, the parameters end within ``param_atol`` of it, and
+    training moved them by far more than that (so the comparison could fail)."""
+    first = results[0]
+    for rank_result in results:
+        assert rank_result.losses == first.losses, "ranks disagree on the global loss"
+    for step, (ours, ref) in enumerate(zip(first.losses, first.reference_losses)):
+        assert abs(ours - ref) <= loss_rtol * abs(ref), f"step {step}: loss {ours} vs reference {ref}"
+    assert first.max_param_gap <= param_atol, f"parameters differ from the reference by {first.max_param_gap}"
+    assert first.movement > 100 * param_atol, f"parameters moved only {first.movement}: the comparison proves nothing"

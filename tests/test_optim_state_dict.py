@@ -160,7 +160,7 @@ def _offloaded_state():
     return OffloadedState(full_sharing, not_live_shards)
 
 
-def test_optim_state_dict_offload_to_cpu_returns_cpu_tensors(dist):
+def test_optim_state_dict_offload_to_cpu_copies_the_full_state_and_returns_the_cpu_shards_as_they_are(dist):
     # On CPU (gloo) a device check cannot fail: the full dict must be a copy, the sharded one the unchanged live shards.
     for result in dist.run(2, _offloaded_state):
         assert result.full_sharing_live_storage == []

@@ -9,19 +9,12 @@ import torch.distributed as dist
 
 import fsdp_compile
 from fsdp_testing import (
-    SMALL, UNEVEN, build_reference, global_batches, max_param_difference, shard_model, sharded_copy,
-    train_reference, train_sharded,
+    SMALL, UNEVEN, Parity, assert_matches_reference, build_reference, global_batches, max_param_difference,
+    parameter_movement, shard_model, sharded_copy, train_reference, train_sharded,
 )
 
 LOSS_RTOL = 1e-6
 PARAM_ATOL = 1e-5
-
-
-class Parity(NamedTuple):
-    losses: list[float]  # global loss per step, sharded
-    reference_losses: list[float]  # the unsharded model's
-    max_param_gap: float  # between the sharded and the reference parameters after training
-    movement: float  # how far training moved the reference parameters
 
 
 def _parity_with_reference(optimizer: str, reshard_after_forward, config_name: str = "SMALL", micro_batches: int = 1, explicit_prefetch: bool = False):
@@ -38,50 +31,35 @@ def _parity_with_reference(optimizer: str, reshard_after_forward, config_name: s
     initial = sharded_copy(reference)
     reference_losses = train_reference(reference, batches, optimizer, micro_batches)
     losses = train_sharded(model, batches, optimizer, micro_batches)
-    return Parity(losses, reference_losses, max_param_difference(model, reference), _movement(initial, reference))
-
-
-def _movement(before, after) -> float:
-    return max((a - b).abs().max().item() for a, b in zip(before.parameters(), after.parameters()))
-
-
-def _assert_parity(results: list[Parity] | list[HsdpParity]):
-    first = results[0]
-    for rank_result in results:
-        assert rank_result.losses == first.losses, "ranks disagree on the global loss"
-    for step, (ours, ref) in enumerate(zip(first.losses, first.reference_losses)):
-        assert abs(ours - ref) <= LOSS_RTOL * abs(ref), f"step {step}: loss {ours} vs reference {ref}"
-    assert first.max_param_gap <= PARAM_ATOL, f"parameters differ from the reference by {first.max_param_gap}"
-    # The tolerance must be small against how far training moved the parameters.
-    assert first.movement > 100 * PARAM_ATOL, f"parameters moved only {first.movement}: the comparison proves nothing"
+    return Parity(losses, reference_losses, max_param_difference(model, reference), parameter_movement(initial, reference))
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_losses_and_params_match_unsharded_reference(dist, world_size, optimizer):
-    _assert_parity(dist.run(world_size, _parity_with_reference, optimizer, None))
+    assert_matches_reference(dist.run(world_size, _parity_with_reference, optimizer, None), LOSS_RTOL, PARAM_ATOL)
 
 
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
 def test_parity_for_reshard_after_forward_bool(dist, reshard_after_forward):
-    _assert_parity(dist.run(2, _parity_with_reference, "adamw", reshard_after_forward))
+    assert_matches_reference(dist.run(2, _parity_with_reference, "adamw", reshard_after_forward), LOSS_RTOL, PARAM_ATOL)
 
 
 def test_parity_for_reshard_after_forward_to_smaller_mesh(dist):
-    _assert_parity(dist.run(4, _parity_with_reference, "adamw", 2))
+    assert_matches_reference(dist.run(4, _parity_with_reference, "adamw", 2), LOSS_RTOL, PARAM_ATOL)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_parity_with_uneven_dim0_sizes(dist, world_size):
-    _assert_parity(dist.run(world_size, _parity_with_reference, "sgd", True, "UNEVEN"))
+    assert_matches_reference(dist.run(world_size, _parity_with_reference, "sgd", True, "UNEVEN"), LOSS_RTOL, PARAM_ATOL)
 
 
 def test_parity_with_explicit_prefetch_lists(dist):
-    _assert_parity(dist.run(2, _parity_with_reference, "adamw", True, explicit_prefetch=True))
+    assert_matches_reference(dist.run(2, _parity_with_reference, "adamw", True, explicit_prefetch=True), LOSS_RTOL, PARAM_ATOL)
 
 
 def test_gradient_accumulation_without_sync_matches_reference(dist):
-    _assert_parity(dist.run(2, _parity_with_reference, "sgd", True, micro_batches=2))
+    assert_matches_reference(dist.run(2, _parity_with_reference, "sgd", True, micro_batches=2), LOSS_RTOL, PARAM_ATOL)
 
 
 class HsdpParity(NamedTuple):  # Parity's fields, then the mesh layout
@@ -103,13 +81,13 @@ def _hsdp_parity():
     initial = sharded_copy(reference)
     reference_losses = train_reference(reference, batches, "adamw")
     losses = train_sharded(model, batches, "adamw")
-    return HsdpParity(losses, reference_losses, max_param_difference(model, reference), _movement(initial, reference), [str(p) for p in placements])
+    return HsdpParity(losses, reference_losses, max_param_difference(model, reference), parameter_movement(initial, reference), [str(p) for p in placements])
 
 
 def test_hsdp_on_2x2_mesh_matches_reference(dist):
     results = dist.run(4, _hsdp_parity)
     assert results[0].placements == ["(Replicate(), Shard(dim=0))"]
-    _assert_parity(results)
+    assert_matches_reference(results, LOSS_RTOL, PARAM_ATOL)
 
 
 class TorchParity(NamedTuple):
