@@ -18,6 +18,17 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable
 
+# [Note: the tests compile scalar C++]
+# Inductor's CPU vectorization is the largest part of compiling the tests' tiny graphs (its tiling
+# analysis: 21.9 s -> 14.2 s for test_compile's fsdp_inductor training test, 198 s -> 154 s for
+# test_compile.py with test_compile_blocks.py) and is not what they test: the graphs and
+# collectives are the same, Inductor then writes scalar loops. Set before torch is imported here
+# and in the ranks (which inherit the environment). The benchmark smoke test runs without it, so the
+# user's default, vectorized code still trains in the suite (tests/test_benchmark_smoke.py).
+SCALAR_INDUCTOR_ENV = {"TORCHINDUCTOR_VEC_ISA_OK": "0"}
+for _name, _value in SCALAR_INDUCTOR_ENV.items():
+    os.environ.setdefault(_name, _value)
+
 import pytest
 import torch.multiprocessing as mp
 
