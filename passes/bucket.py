@@ -8,9 +8,11 @@ per-parameter producers of the copy-in ``cat``, so Inductor fuses them into the 
 writes the bucket and no full-precision copy of the bucket exists::
 
     before:  cast(p0) -> ag -> wait -> use0 ...  cast(p1) -> ag -> wait -> use1
-    after:   cat(cast(p0), cast(p1)) -> ag -> wait -> [world, total] -> split/reshape -> use0, use1
+    after:   cat(cast(p0), cast(p1)) -> ag -> wait -> [world, total] -> copy_out -> use0, use1
     (backward) grads g0, g1 -> cat per rank row -> reduce_scatter -> wait [-> + deferred -> all_reduce -> wait] -> split
 
+The copy-out is one extern op per bucket (``COPY_OUT``; a lone or non-float member is a reshape of
+its columns): see [Note: one copy-out per bucket in compiled graphs] in fsdp_compile/kernels/ops.py.
 The bucketed all-gather sits where the group's first all-gather was (its shard inputs are
 hoisted above it); the bucketed reduce-scatter right after the group's last gradient (readers of
 the reduced shards that came earlier are moved after it). With ``merge_small_groups_bytes``
@@ -20,6 +22,7 @@ stays per parameter, counted and logged (see [Note: a pass that gives up] in gra
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +31,7 @@ import torch.fx as fx
 
 from fsdp_compile.config import PassConfig
 from fsdp_compile.passes.graph import (
-    ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BUCKET_KEY, COLLECTIVE_NAMES, COLLECTIVES, FORCE_STRIDE, FSDP_ANNOTATION_KEY, GROUP_KEY,
+    ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BUCKET_KEY, COLLECTIVE_NAMES, COLLECTIVES, COPY_OUT, FORCE_STRIDE, FSDP_ANNOTATION_KEY, GROUP_KEY,
     GRADIENT_REDUCTIONS, GROUPS_KEY, PARAM_KEY, PARAMS_KEY, REDUCE_SCATTER, RESHARD_AFTER_FORWARD_KEY, WAIT, collective_nodes,
     fsdp_annotation, give_up, single_wait,
 )
@@ -204,19 +207,38 @@ def _bucket_all_gather(graph: fx.Graph, bucket: _Bucket) -> bool:
         gathered = _new_node(graph, ALL_GATHER, (copy_in, world, group_name), annotation)
         waited = _new_node(graph, WAIT, (gathered,), annotation)
         rows = _new_node(graph, _aten.view.default, (waited, [world, total]), annotation)
-        offset = 0
-        for member in bucket.members:
-            columns = _new_node(graph, _aten.slice.Tensor, (rows, 1, offset, offset + member.numel), annotation)
-            unsharded = _new_node(graph, _aten.reshape.default, (columns, list(_shape(member.wait))), annotation)
-            # Pin the copy-out to the contiguous layout the per-parameter gather had: left free, Inductor
-            # may lay it out for its consumer (a transposed mm operand) and change the GEMM's rounding.
-            unsharded = _new_node(graph, FORCE_STRIDE, (unsharded, _contiguous_strides(_shape(member.wait))), annotation)
-            offset += member.numel
-            member.wait.replace_all_uses_with(unsharded)
+        if len(bucket.members) > 1 and _val(rows).dtype.is_floating_point:
+            unsharded = _copy_out_in_one_node(graph, rows, bucket, annotation)
+        else:
+            unsharded = _copy_out_per_parameter(graph, rows, bucket, annotation)
+        for member, tensor in zip(bucket.members, unsharded):
+            member.wait.replace_all_uses_with(tensor)
     for member in bucket.members:
         graph.erase_node(member.wait)
         graph.erase_node(member.collective)
     return True
+
+
+def _copy_out_in_one_node(graph: fx.Graph, rows: fx.Node, bucket: _Bucket, annotation: dict) -> list[fx.Node]:
+    """The bucket's unsharded parameters from one extern copy-out ([Note: one copy-out per bucket in
+    compiled graphs] in fsdp_compile/kernels/ops.py): contiguous, each a fresh tensor."""
+    shapes = [_shape(member.wait) for member in bucket.members]
+    sizes, ndims = [size for shape in shapes for size in shape], [len(shape) for shape in shapes]
+    outs = _new_node(graph, COPY_OUT, (rows, [m.numel for m in bucket.members], sizes, ndims), annotation)
+    return [_new_node(graph, operator.getitem, (outs, index), annotation) for index in range(len(shapes))]
+
+
+def _copy_out_per_parameter(graph: fx.Graph, rows: fx.Node, bucket: _Bucket, annotation: dict) -> list[fx.Node]:
+    """Each parameter's columns of ``rows``, reshaped (a lone member's are a view of the buffer)."""
+    unsharded, offset = [], 0
+    for member in bucket.members:
+        columns = _new_node(graph, _aten.slice.Tensor, (rows, 1, offset, offset + member.numel), annotation)
+        tensor = _new_node(graph, _aten.reshape.default, (columns, list(_shape(member.wait))), annotation)
+        # Pin the copy-out to the contiguous layout the per-parameter gather had: left free, Inductor
+        # may lay it out for its consumer (a transposed mm operand) and change the GEMM's rounding.
+        unsharded.append(_new_node(graph, FORCE_STRIDE, (tensor, _contiguous_strides(_shape(member.wait))), annotation))
+        offset += member.numel
+    return unsharded
 
 
 def _dependents(nodes: list[fx.Node]) -> set[fx.Node]:

@@ -14,6 +14,7 @@ from fsdp_compile.kernels import reference
 __all__ = [
     "all_gather_copy_in",
     "all_gather_copy_out",
+    "all_gather_copy_out_functional",
     "reduce_scatter_copy_in",
     "reduce_scatter_copy_out",
     "check_all_gather_copy_in",
@@ -137,6 +138,47 @@ def all_gather_copy_out(gathered: torch.Tensor, padded_numels: list[int], outs: 
     """Scatter the ``[world, group_numel]`` all-gather output into N unsharded parameters (unpadded, cast)."""
     check_all_gather_copy_out(gathered, padded_numels, outs)
     reference.all_gather_copy_out(gathered, padded_numels, outs)
+
+
+def _split_shapes(sizes: list[int], ndims: list[int]) -> list[list[int]]:
+    shapes, start = [], 0
+    for ndim in ndims:
+        shapes.append(sizes[start : start + ndim])
+        start += ndim
+    return shapes
+
+
+def _new_unsharded(gathered: torch.Tensor, sizes: list[int], ndims: list[int]) -> list[torch.Tensor]:
+    return [gathered.new_empty(shape) for shape in _split_shapes(sizes, ndims)]
+
+
+# [Note: one copy-out per bucket in compiled graphs]
+# The bucket pass (passes/bucket.py) gives each parameter of an all-gather bucket its unsharded
+# tensor from the gathered ``[world, total]`` rows. As slices pinned to a contiguous layout, each is
+# a kernel Inductor generates and compiles: about ten per block in forward and as many again for
+# backward's re-gather, code generated again for every block though identical. This op is the one
+# node that does the group's whole copy-out (``all_gather_copy_out``: the Triton kernel on CUDA),
+# an extern call for Inductor; the post-grad graphs it goes into hold no mutation, hence it
+# returns fresh tensors rather than writing into ``outs``. Shapes travel flat (``sizes`` holds
+# each parameter's dims in turn, ``ndims`` how many each has): a schema takes no nested lists.
+@torch.library.custom_op(
+    "fsdp_compile::all_gather_copy_out_functional", mutates_args=(),
+    schema="(Tensor gathered, int[] padded_numels, int[] sizes, int[] ndims) -> Tensor[]",
+)
+def all_gather_copy_out_functional(
+    gathered: torch.Tensor, padded_numels: list[int], sizes: list[int], ndims: list[int]
+) -> list[torch.Tensor]:
+    """``all_gather_copy_out`` into new tensors of the given shapes (for compiled graphs; see the note)."""
+    outs = _new_unsharded(gathered, sizes, ndims)
+    torch.ops.fsdp_compile.all_gather_copy_out(gathered, padded_numels, outs)
+    return outs
+
+
+@all_gather_copy_out_functional.register_fake
+def _all_gather_copy_out_functional_shapes(
+    gathered: torch.Tensor, padded_numels: list[int], sizes: list[int], ndims: list[int]
+) -> list[torch.Tensor]:
+    return _new_unsharded(gathered, sizes, ndims)
 
 
 @torch.library.custom_op("fsdp_compile::reduce_scatter_copy_in", mutates_args=("out",))
