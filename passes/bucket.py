@@ -3,16 +3,18 @@
 Expects a partitioned forward or backward graph (AOTAutograd's, before or after Inductor's
 decompositions) whose per-parameter collectives carry ``node.meta["custom"]["fsdp_group"]``
 (``fsdp_compile.traceable``). Leaves, per group (and per process group and dtype), one
-collective on a flat bucket; the pad and ``param_dtype`` / ``reduce_dtype`` casts stay
-per-parameter producers of the copy-in ``cat``, so Inductor fuses them into the one kernel that
-writes the bucket and no full-precision copy of the bucket exists::
+collective on a flat bucket. The all-gather's copy-in pads and casts each shard to ``param_dtype``
+as it writes the bucket (one op, or a ``cat`` of per-parameter casts Inductor fuses into the one
+kernel that writes it); the reduce-scatter's ``cat`` takes the ``reduce_dtype`` casts alike; no
+full-precision copy of a bucket exists::
 
-    before:  cast(p0) -> ag -> wait -> use0 ...  cast(p1) -> ag -> wait -> use1
-    after:   cat(cast(p0), cast(p1)) -> ag -> wait -> [world, total] -> copy_out -> use0, use1
+    before:  cast(pad(p0)) -> ag -> wait -> use0 ...  cast(pad(p1)) -> ag -> wait -> use1
+    after:   copy_in(p0, p1) -> ag -> wait -> [world, total] -> copy_out -> use0, use1
     (backward) grads g0, g1 -> cat per rank row -> reduce_scatter -> wait [-> + deferred -> all_reduce -> wait] -> split
 
-The copy-out is one extern op per bucket (``COPY_OUT``; a lone or non-float member is a reshape of
-its columns): see [Note: one copy-out per bucket in compiled graphs] in fsdp_compile/kernels/ops.py.
+The copy-in and the copy-out are one extern op each per bucket of several parameters (``COPY_IN``,
+``COPY_OUT``; otherwise the ``cat`` and each member's columns reshaped): see [Note: one copy-in and
+one copy-out per bucket in compiled graphs] in fsdp_compile/kernels/ops.py.
 The bucketed all-gather sits where the group's first all-gather was (its shard inputs are
 hoisted above it); the bucketed reduce-scatter right after the group's last gradient (readers of
 the reduced shards that came earlier are moved after it). With ``merge_small_groups_bytes``
@@ -31,7 +33,7 @@ import torch.fx as fx
 
 from fsdp_compile.config import PassConfig
 from fsdp_compile.passes.graph import (
-    ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BUCKET_KEY, COLLECTIVE_NAMES, COLLECTIVES, COPY_OUT, FORCE_STRIDE, FSDP_ANNOTATION_KEY, GROUP_KEY,
+    ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BUCKET_KEY, COLLECTIVE_NAMES, COLLECTIVES, COPY_IN, COPY_OUT, FORCE_STRIDE, FSDP_ANNOTATION_KEY, GROUP_KEY,
     GRADIENT_REDUCTIONS, GROUPS_KEY, PARAM_KEY, PARAMS_KEY, REDUCE_SCATTER, RESHARD_AFTER_FORWARD_KEY, WAIT, collective_nodes,
     fsdp_annotation, give_up, single_wait,
 )
@@ -202,8 +204,13 @@ def _bucket_all_gather(graph: fx.Graph, bucket: _Bucket) -> bool:
     annotation = _bucket_annotation(bucket, "all_gather")
     total = bucket.numel()
     with graph.inserting_before(anchor):
-        flats = [_new_node(graph, _aten.reshape.default, (m.collective.args[0], [-1]), annotation) for m in bucket.members]
-        copy_in = _new_node(graph, _aten.cat.default, (flats,), annotation) if len(flats) > 1 else flats[0]
+        shards = [_unpadded_shard(m) for m in bucket.members]
+        if len(bucket.members) > 1 and all(shard is not None for shard in shards):
+            dtype = _val(bucket.members[0].collective.args[0]).dtype
+            copy_in = _new_node(graph, COPY_IN, (shards, [m.numel for m in bucket.members], dtype), annotation)
+        else:
+            flats = [_new_node(graph, _aten.reshape.default, (m.collective.args[0], [-1]), annotation) for m in bucket.members]
+            copy_in = _new_node(graph, _aten.cat.default, (flats,), annotation) if len(flats) > 1 else flats[0]
         gathered = _new_node(graph, ALL_GATHER, (copy_in, world, group_name), annotation)
         waited = _new_node(graph, WAIT, (gathered,), annotation)
         rows = _new_node(graph, _aten.view.default, (waited, [world, total]), annotation)
@@ -214,14 +221,44 @@ def _bucket_all_gather(graph: fx.Graph, bucket: _Bucket) -> bool:
         for member, tensor in zip(bucket.members, unsharded):
             member.wait.replace_all_uses_with(tensor)
     for member in bucket.members:
+        padded = member.collective.args[0]
         graph.erase_node(member.wait)
         graph.erase_node(member.collective)
+        _erase_unused(graph, padded)  # the pad and cast the copy-in op took over
     return True
 
 
+def _erase_unused(graph: fx.Graph, node: Any) -> None:
+    """Erase ``node`` and then its first input, while each is a computation nothing reads."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and not node.users and not node.is_impure():
+        source = node.args[0] if node.args else None
+        graph.erase_node(node)
+        node = source
+
+
+def _unpadded_shard(member: _Member) -> fx.Node | None:
+    """The local shard a member's all-gather input pads (and casts), as the copy-in op takes it: the
+    input with at most a cast and a ``constant_pad_nd`` of rows on dim 0's end taken off (Inductor
+    has already dropped a pad of no rows and a cast to the same dtype), a contiguous floating-point
+    tensor. None for any other input (a quantized payload, a dim-1 shard's strided view)."""
+    node = member.collective.args[0]
+    if node.target in (torch.ops.prims.convert_element_type.default, _aten._to_copy.default):
+        node = node.args[0]
+    if node.target is _aten.constant_pad_nd.default and (len(node.args) < 3 or node.args[2] in (0, 0.0)):
+        pads, rank = list(node.args[1]), _val(node.args[0]).dim()
+        # Only rows appended on dim 0: every pad before the last is zero (F.pad's pairs run from the last dim).
+        if len(pads) != 2 * rank or any(pads[:-1]):
+            return None
+        node = node.args[0]
+    value = _val(node)
+    if not (isinstance(value, torch.Tensor) and value.is_floating_point() and value.is_contiguous()):
+        return None
+    return node if value.numel() <= member.numel else None
+
+
 def _copy_out_in_one_node(graph: fx.Graph, rows: fx.Node, bucket: _Bucket, annotation: dict) -> list[fx.Node]:
-    """The bucket's unsharded parameters from one extern copy-out ([Note: one copy-out per bucket in
-    compiled graphs] in fsdp_compile/kernels/ops.py): contiguous, each a fresh tensor."""
+    """The bucket's unsharded parameters from one extern copy-out (see [Note: one copy-in and one
+    copy-out per bucket in compiled graphs] in fsdp_compile/kernels/ops.py): each a fresh, contiguous tensor."""
     shapes = [_shape(member.wait) for member in bucket.members]
     sizes, ndims = [size for shape in shapes for size in shape], [len(shape) for shape in shapes]
     outs = _new_node(graph, COPY_OUT, (rows, [m.numel for m in bucket.members], sizes, ndims), annotation)

@@ -20,7 +20,7 @@ from typing import Any, Iterator
 import torch
 import torch.fx as fx
 
-import fsdp_compile.kernels  # noqa: F401 - registers torch.ops.fsdp_compile's copy ops (COPY_OUT)
+import fsdp_compile.kernels  # noqa: F401 - registers torch.ops.fsdp_compile's copy ops (COPY_IN, COPY_OUT)
 from fsdp_compile.annotations import (
     BUCKET_KEY, FSDP_ANNOTATION_KEY, GROUP_KEY, GROUPS_KEY, PARAM_KEY, PARAMS_KEY, RESHARD_AFTER_FORWARD_KEY, STATE_KEY,
 )
@@ -28,7 +28,7 @@ from fsdp_compile.annotations import (
 __all__ = [
     "ALL_TO_ALL",
     "FSDP_ANNOTATION_KEY", "GROUP_KEY", "PARAM_KEY", "RESHARD_AFTER_FORWARD_KEY", "STATE_KEY", "BUCKET_KEY", "GROUPS_KEY", "PARAMS_KEY",
-    "ALL_GATHER", "REDUCE_SCATTER", "ALL_REDUCE", "WAIT", "COLLECTIVES", "GRADIENT_REDUCTIONS", "COLLECTIVE_NAMES", "FORCE_STRIDE", "COPY_OUT",
+    "ALL_GATHER", "REDUCE_SCATTER", "ALL_REDUCE", "WAIT", "COLLECTIVES", "GRADIENT_REDUCTIONS", "COLLECTIVE_NAMES", "FORCE_STRIDE", "COPY_IN", "COPY_OUT",
     "collective_nodes", "single_wait", "fsdp_annotation", "is_tangent", "graph_kind", "is_view", "is_copy",
     "tensor_bytes", "collective_bytes", "inflight_collectives", "inflight_bytes", "max_inflight_bytes",
     "pass_counters", "give_up",
@@ -55,8 +55,10 @@ def _force_stride_op() -> Any:
 
 
 FORCE_STRIDE = _force_stride_op()  # bucket.py pins a copy-out's layout with it
-# A bucket's whole copy-out as one node ([Note: one copy-out per bucket in compiled graphs] in
-# fsdp_compile/kernels/ops.py); each parameter reads its tensor through a getitem.
+# A bucket's whole copy-in and copy-out as one node each ([Note: one copy-in and one copy-out per
+# bucket in compiled graphs] in fsdp_compile/kernels/ops.py); a parameter reads its unsharded
+# tensor from the copy-out through a getitem.
+COPY_IN = torch.ops.fsdp_compile.all_gather_copy_in_functional.default
 COPY_OUT = torch.ops.fsdp_compile.all_gather_copy_out_functional.default
 
 
@@ -104,7 +106,7 @@ _ALSO_VIEWS = {_aten._unsafe_view.default}
 # Ops that only move, pad or re-type data (a bucket's copy-in and copy-out), computing nothing.
 _COPIES = {
     _aten.cat.default, _aten.clone.default, _aten._to_copy.default, _aten.constant_pad_nd.default,
-    _aten.slice_backward.default, torch.ops.prims.convert_element_type.default, FORCE_STRIDE, COPY_OUT,
+    _aten.slice_backward.default, torch.ops.prims.convert_element_type.default, FORCE_STRIDE, COPY_IN, COPY_OUT,
 }
 
 

@@ -223,6 +223,38 @@ def test_custom_ops_round_trip_every_rank_through_the_shard_layout():
             assert_same_bits(out, shard(t, rank, world))
 
 
+
+def test_functional_ops_of_compiled_graphs_equal_the_ops_writing_into_buffers():
+    """The bucket pass's copy-in / copy-out ops return what the mutating ops write (bf16 cast and
+    padding included), and their fake implementations give the shapes and dtypes they return."""
+    gen = torch.Generator().manual_seed(2)
+    world = 3
+    shapes, padded = make_group(12, world, seed=3)
+    unsharded = [torch.randn(shape, generator=gen) for shape in shapes]
+    rows = []
+    for rank in range(world):
+        shards = [shard(t, rank, world).contiguous() for t in unsharded]
+        written = poisoned((sum(padded),), torch.bfloat16)
+        torch.ops.fsdp_compile.all_gather_copy_in(shards, padded, written)
+        returned = torch.ops.fsdp_compile.all_gather_copy_in_functional(shards, padded, torch.bfloat16)
+        assert_same_bits(returned, written)
+        rows.append(returned)
+    gathered = torch.stack(rows)
+    sizes, ndims = [size for shape in shapes for size in shape], [len(shape) for shape in shapes]
+    returned = torch.ops.fsdp_compile.all_gather_copy_out_functional(gathered, padded, sizes, ndims)
+    written = [poisoned(shape, torch.bfloat16) for shape in shapes]
+    torch.ops.fsdp_compile.all_gather_copy_out(gathered, padded, written)
+    assert [tuple(t.shape) for t in returned] == [tuple(shape) for shape in shapes]
+    for a, b, original in zip(returned, written, unsharded):
+        assert_same_bits(a, b)
+        assert_same_bits(a, original.to(torch.bfloat16))
+    with torch._subclasses.FakeTensorMode() as fake_mode:
+        fake = fake_mode.from_tensor(gathered)
+        outs = torch.ops.fsdp_compile.all_gather_copy_out_functional(fake, padded, sizes, ndims)
+        assert [(tuple(t.shape), t.dtype) for t in outs] == [(tuple(s), torch.bfloat16) for s in shapes]
+        flat = torch.ops.fsdp_compile.all_gather_copy_in_functional([fake_mode.from_tensor(unsharded[0])], [padded[0] * world], torch.float16)
+        assert tuple(flat.shape) == (padded[0] * world,) and flat.dtype == torch.float16
+
 def test_custom_ops_refuse_a_buffer_of_the_wrong_size_before_writing():
     shards = [torch.ones(2, 3)]
     with pytest.raises(ValueError, match="out has 5 elements but the padded shards need 6"):

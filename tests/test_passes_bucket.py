@@ -18,7 +18,7 @@ from fsdp_compile.passes import apply_post_grad_passes
 from fsdp_compile.passes.bucket import bucket_collectives
 from fsdp_compile.passes.reorder import reorder_collectives
 from fsdp_compile.passes.graph import (
-    ALL_GATHER, ALL_REDUCE, FSDP_ANNOTATION_KEY, GROUP_KEY, REDUCE_SCATTER, WAIT, collective_nodes, fsdp_annotation,
+    ALL_GATHER, ALL_REDUCE, COPY_IN, FSDP_ANNOTATION_KEY, GROUP_KEY, REDUCE_SCATTER, WAIT, collective_nodes, fsdp_annotation,
     pass_counters,
 )
 
@@ -123,14 +123,21 @@ def test_bucketed_collectives_move_every_parameter_of_the_group(fake_world):
     assert bucketed == per_param
 
 
-def test_mixed_precision_casts_feed_the_copy_in_per_parameter(fake_world):
+def test_mixed_precision_casts_happen_in_the_bucket_copy_in(fake_world):
     policy = fsdp_compile.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     forward, backward = _graphs(PassConfig(reorder=False), mp_policy=policy)
-    for gather in collective_nodes(forward.graph, ALL_GATHER):
-        copy_in = gather.args[0]
-        assert copy_in.target is torch.ops.aten.cat.default and copy_in.meta["val"].dtype == torch.bfloat16
-        # The cast happens on each shard before the cat: no fp32 bucket-sized temporary.
-        assert all(piece.meta["val"].numel() * fake_world < gather.meta["val"].numel() * 2 for piece in copy_in.args[0])
+    copy_ins = [gather.args[0] for gather in collective_nodes(forward.graph, ALL_GATHER)]
+    assert copy_ins and all(copy_in.meta["val"].dtype == torch.bfloat16 for copy_in in copy_ins)
+    for copy_in in copy_ins:
+        if copy_in.target is COPY_IN:
+            # The op casts each float32 shard as it writes the bfloat16 bucket: no float32
+            # bucket-sized temporary exists, and no cast of its own either.
+            shards, padded_numels, dtype = copy_in.args
+            assert dtype == torch.bfloat16 and all(shard.meta["val"].dtype == torch.float32 for shard in shards)
+            assert sum(padded_numels) == copy_in.meta["val"].numel()
+        else:  # a one-parameter bucket: the cast shard itself
+            assert copy_in.target is torch.ops.prims.convert_element_type.default, copy_in.target
+    assert sum(copy_in.target is COPY_IN for copy_in in copy_ins) >= 2  # the blocks' buckets
     for scatter in collective_nodes(backward.graph, REDUCE_SCATTER):
         assert scatter.args[0].meta["val"].dtype == torch.float32
     assert pass_counters["bucket.gave_up"] == 0

@@ -11,6 +11,7 @@ versions for compiled graphs (``quantized_reference.py``).
 """
 from fsdp_compile.kernels.ops import (
     all_gather_copy_in,
+    all_gather_copy_in_functional,
     all_gather_copy_out,
     all_gather_copy_out_functional,
     reduce_scatter_copy_in,
@@ -34,6 +35,7 @@ from fsdp_compile.kernels.quantized_reference import (
 
 __all__ = [
     "all_gather_copy_in",
+    "all_gather_copy_in_functional",
     "all_gather_copy_out",
     "all_gather_copy_out_functional",
     "reduce_scatter_copy_in",

@@ -13,6 +13,7 @@ from fsdp_compile.kernels import reference
 
 __all__ = [
     "all_gather_copy_in",
+    "all_gather_copy_in_functional",
     "all_gather_copy_out",
     "all_gather_copy_out_functional",
     "reduce_scatter_copy_in",
@@ -152,15 +153,33 @@ def _new_unsharded(gathered: torch.Tensor, sizes: list[int], ndims: list[int]) -
     return [gathered.new_empty(shape) for shape in _split_shapes(sizes, ndims)]
 
 
-# [Note: one copy-out per bucket in compiled graphs]
-# The bucket pass (passes/bucket.py) gives each parameter of an all-gather bucket its unsharded
-# tensor from the gathered ``[world, total]`` rows. As slices pinned to a contiguous layout, each is
-# a kernel Inductor generates and compiles: about ten per block in forward and as many again for
-# backward's re-gather, code generated again for every block though identical. This op is the one
-# node that does the group's whole copy-out (``all_gather_copy_out``: the Triton kernel on CUDA),
-# an extern call for Inductor; the post-grad graphs it goes into hold no mutation, hence it
-# returns fresh tensors rather than writing into ``outs``. Shapes travel flat (``sizes`` holds
+# [Note: one copy-in and one copy-out per bucket in compiled graphs]
+# The bucket pass (passes/bucket.py) writes an all-gather bucket's padded, cast shards into one
+# flat buffer and gives each parameter its unsharded tensor from the gathered ``[world, total]``
+# rows. Left to Inductor, that is a generated node per parameter for the copy-in and a generated
+# kernel per parameter for the copy-out (slices pinned to a contiguous layout), about thirty per
+# block between forward and backward's re-gather, generated again for every block though identical
+# (most of a deep model's compile time outside the blocks' bodies). These two ops are one node
+# each per bucket (``all_gather_copy_in`` / ``all_gather_copy_out``: the Triton kernels on CUDA),
+# extern calls for Inductor. The post-grad graphs they go into hold no mutation, hence they return
+# fresh tensors rather than writing into ``out`` / ``outs``. Shapes travel flat (``sizes`` holds
 # each parameter's dims in turn, ``ndims`` how many each has): a schema takes no nested lists.
+@torch.library.custom_op(
+    "fsdp_compile::all_gather_copy_in_functional", mutates_args=(),
+    schema="(Tensor[] shards, int[] padded_numels, ScalarType dtype) -> Tensor",
+)
+def all_gather_copy_in_functional(shards: list[torch.Tensor], padded_numels: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """``all_gather_copy_in`` into a new flat buffer of ``dtype`` (for compiled graphs; see the note above)."""
+    out = shards[0].new_empty(sum(padded_numels), dtype=dtype)
+    torch.ops.fsdp_compile.all_gather_copy_in(shards, padded_numels, out)
+    return out
+
+
+@all_gather_copy_in_functional.register_fake
+def _all_gather_copy_in_functional_shape(shards: list[torch.Tensor], padded_numels: list[int], dtype: torch.dtype) -> torch.Tensor:
+    return shards[0].new_empty(sum(padded_numels), dtype=dtype)
+
+
 @torch.library.custom_op(
     "fsdp_compile::all_gather_copy_out_functional", mutates_args=(),
     schema="(Tensor gathered, int[] padded_numels, int[] sizes, int[] ndims) -> Tensor[]",
@@ -168,7 +187,8 @@ def _new_unsharded(gathered: torch.Tensor, sizes: list[int], ndims: list[int]) -
 def all_gather_copy_out_functional(
     gathered: torch.Tensor, padded_numels: list[int], sizes: list[int], ndims: list[int]
 ) -> list[torch.Tensor]:
-    """``all_gather_copy_out`` into new tensors of the given shapes (for compiled graphs; see the note)."""
+    """``all_gather_copy_out`` into new tensors of the given shapes (for compiled graphs; see
+    [Note: one copy-in and one copy-out per bucket in compiled graphs])."""
     outs = _new_unsharded(gathered, sizes, ndims)
     torch.ops.fsdp_compile.all_gather_copy_out(gathered, padded_numels, outs)
     return outs
