@@ -245,9 +245,9 @@ def _unpadded_shard(member: _Member) -> fx.Node | None:
     if node.target in (torch.ops.prims.convert_element_type.default, _aten._to_copy.default):
         node = node.args[0]
     if node.target is _aten.constant_pad_nd.default and (len(node.args) < 3 or node.args[2] in (0, 0.0)):
-        pads, rank = list(node.args[1]), _val(node.args[0]).dim()
+        pads, padded = list(node.args[1]), _val(node.args[0])
         # Only rows appended on dim 0: every pad before the last is zero (F.pad's pairs run from the last dim).
-        if len(pads) != 2 * rank or any(pads[:-1]):
+        if not isinstance(padded, torch.Tensor) or len(pads) != 2 * padded.dim() or any(pads[:-1]):
             return None
         node = node.args[0]
     value = _val(node)
