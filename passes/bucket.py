@@ -200,13 +200,12 @@ def _bucket_all_gather(graph: fx.Graph, bucket: _Bucket) -> bool:
     if not all(_hoist_above(m.collective.args[0], anchor, position) for m in bucket.members):
         give_up("bucket", "cannot bucket all-gathers of %s (inputs computed late); left per parameter", bucket.groups)
         return False
-    _, _, world, group_name, _ = bucket.key
+    _, _, world, group_name, dtype = bucket.key  # dtype: every member's all-gather input's
     annotation = _bucket_annotation(bucket, "all_gather")
     total = bucket.numel()
     with graph.inserting_before(anchor):
         shards = [_unpadded_shard(m) for m in bucket.members]
         if len(bucket.members) > 1 and all(shard is not None for shard in shards):
-            dtype = _val(bucket.members[0].collective.args[0]).dtype
             copy_in = _new_node(graph, COPY_IN, (shards, [m.numel for m in bucket.members], dtype), annotation)
         else:
             flats = [_new_node(graph, _aten.reshape.default, (m.collective.args[0], [-1]), annotation) for m in bucket.members]
@@ -214,7 +213,7 @@ def _bucket_all_gather(graph: fx.Graph, bucket: _Bucket) -> bool:
         gathered = _new_node(graph, ALL_GATHER, (copy_in, world, group_name), annotation)
         waited = _new_node(graph, WAIT, (gathered,), annotation)
         rows = _new_node(graph, _aten.view.default, (waited, [world, total]), annotation)
-        if len(bucket.members) > 1 and _val(rows).dtype.is_floating_point:
+        if len(bucket.members) > 1 and dtype.is_floating_point:
             unsharded = _copy_out_in_one_node(graph, rows, bucket, annotation)
         else:
             unsharded = _copy_out_per_parameter(graph, rows, bucket, annotation)
