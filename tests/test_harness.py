@@ -1,5 +1,6 @@
 """The test harness's own contract (tests/conftest.py): a rank that dies by a signal is named at once
-with its signal, and the test is rerun once on a fresh pool with a warning; it is never a timeout."""
+with its signal, and the test is rerun once on a fresh pool with a warning; it is never a timeout. (A
+second death raises ``RankDied``: not exercised here, each death costs a pool's start-up.)"""
 from __future__ import annotations
 
 import os
@@ -9,7 +10,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from conftest import RankDied, RankDiedWarning
+from conftest import RankDiedWarning
 
 
 def _abort_on_rank_1_once(marker_dir: str) -> int:
@@ -22,24 +23,8 @@ def _abort_on_rank_1_once(marker_dir: str) -> int:
     return dist.get_rank()
 
 
-def _abort_on_rank_1_always() -> int:
-    if dist.get_rank() == 1:
-        os.kill(os.getpid(), signal.SIGABRT)
-    return dist.get_rank()
-
-
 def test_a_rank_killed_by_a_signal_is_named_and_the_test_rerun_once_with_a_warning(dist, tmp_path):
     start = time.monotonic()
     with pytest.warns(RankDiedWarning, match=r"rank 1 \(killed by SIGABRT\) died running _abort_on_rank_1_once"):
         assert dist.run(2, _abort_on_rank_1_once, str(tmp_path)) == [0, 1]
     assert time.monotonic() - start < 60  # found by polling the ranks, not by the 300 s task timeout
-
-
-def test_a_rank_that_dies_again_on_the_rerun_fails_the_test(dist):
-    with pytest.warns(RankDiedWarning), pytest.raises(RankDied, match="killed by SIGABRT"):
-        dist.run(2, _abort_on_rank_1_always)
-    assert dist.run(2, _rank) == [0, 1]  # the next test gets a working pool
-
-
-def _rank() -> int:
-    return dist.get_rank()
