@@ -79,6 +79,7 @@ class RankDied(RuntimeError):
 
     def __init__(self, function_name: str, exit_codes: dict[int, int | None], failures: str) -> None:
         self.exit_codes = exit_codes
+        self.by_signal = all(code is not None and code < 0 for code in exit_codes.values())
         described = ", ".join(f"rank {r} ({_describe_exit(code)})" for r, code in sorted(exit_codes.items()))
         super().__init__(f"{described} died running {function_name}{failures}")
 
@@ -170,6 +171,8 @@ class PoolRegistry:
         try:
             return self._run_on_pool(world_size, function, *args, **kwargs)
         except RankDied as died:
+            if not died.by_signal:  # a rank that exited by itself: our bug, not a crash to retry
+                raise
             warnings.warn(f"{died}; rerunning {function.__name__} once on a fresh pool", RankDiedWarning, stacklevel=2)
             return self._run_on_pool(world_size, function, *args, **kwargs)
 
