@@ -253,10 +253,13 @@ def _add_traced_op_to_inductors_decompositions() -> None:
 # [Note: Inductor's buffer reuse across nested regions]
 # torch 2.13's Inductor (CPU seen) computes a wrong gradient when a graph calls one nested compile
 # region three or more times with bfloat16 or float16 inputs: the first call's weight gradient
-# comes out wrong by up to 0.2 (aot_eager is exact; fp32 is exact). Reproducer:
+# comes out wrong by up to 0.2 (aot_eager is exact). Reproducer (fp32 exact in this one):
 #     region = torch.compiler.nested_compile_region(lambda w, x: x + torch.tanh(F.linear(x, w)))
 #     x = x32.bfloat16(); for w in (w1, w2, w3): x = region(w.bfloat16(), x)
 #     x.float().pow(2).mean().backward()      # w1.grad is wrong under backend="inductor"
+# It is not only low precision: a float32 Transformer whose two blocks are calls of one region
+# taking their parameters from an all-gather (2 gloo ranks, 2026-11-24) got weight gradients off
+# by a factor of 5 to 40 under backend="inductor", exact under aot_eager or without buffer reuse.
 # Turning off Inductor's buffer reuse makes it exact. Dead buffers are still freed as soon as they
 # die, so the caching allocator reuses their memory: what is lost is allocation churn, not peak
 # memory. Only graphs holding nested regions (compile_blocks_once) get the patch.
