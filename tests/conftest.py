@@ -12,9 +12,11 @@ import faulthandler
 import importlib
 import os
 import queue
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 import traceback
 import warnings
@@ -45,9 +47,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any, timeout_s: float) -> None:
-    # A rank killed by a signal prints every thread's Python stack to the test's captured stderr.
-    faulthandler.enable(all_threads=True)
+_crash_log: Any = None  # kept open for the process's lifetime: faulthandler writes to its descriptor
+
+
+def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any, timeout_s: float, crash_log_path: str) -> None:
+    # A rank killed by a signal writes every thread's Python stack here; RankDied quotes it.
+    global _crash_log
+    _crash_log = open(crash_log_path, "w")
+    faulthandler.enable(file=_crash_log, all_threads=True)
     sys.path[:0] = [TESTS_DIR, REPO_DIR]
     import torch
     import torch.distributed as dist
@@ -99,8 +106,12 @@ class DistributedPool:
         self.tasks = [context.Queue() for _ in range(world_size)]
         self.results = context.Queue()
         port = free_port()
+        self.crash_log_dir = tempfile.mkdtemp(prefix=f"fsdp_compile_ranks{world_size}_")
         self.processes = [
-            context.Process(target=_worker, args=(rank, world_size, port, self.tasks[rank], self.results, collective_timeout_s), daemon=True)
+            context.Process(
+                target=_worker, daemon=True,
+                args=(rank, world_size, port, self.tasks[rank], self.results, collective_timeout_s, self.crash_log(rank)),
+            )
             for rank in range(world_size)
         ]
         for process in self.processes:
@@ -118,7 +129,7 @@ class DistributedPool:
                 failures = "".join(f"\n--- rank {r} ---\n{v}" for r, (ok, v) in outcomes.items() if not ok)
                 dead = {r: p.exitcode for r, p in enumerate(self.processes) if r not in outcomes and not p.is_alive()}
                 if dead:
-                    raise RankDied(function.__name__, dead, failures)
+                    raise RankDied(function.__name__, dead, failures + self.crash_stacks(dead))
                 if time.monotonic() >= deadline:
                     missing = sorted(set(range(self.world_size)) - set(outcomes))
                     raise TimeoutError(f"ranks {missing} did not finish {function.__name__}{failures}") from None
@@ -130,6 +141,22 @@ class DistributedPool:
         if failures:
             raise AssertionError(f"{function.__name__} failed:\n" + "\n".join(failures))
         return [outcomes[r][1] for r in range(self.world_size)]
+
+    def crash_log(self, rank: int) -> str:
+        return os.path.join(self.crash_log_dir, f"rank{rank}.txt")
+
+    def crash_stacks(self, ranks: dict[int, Any]) -> str:
+        """What faulthandler wrote for the dead ``ranks`` (the stacks of their threads), if anything."""
+        stacks = ""
+        for rank in sorted(ranks):
+            try:
+                with open(self.crash_log(rank)) as log:
+                    text = log.read().strip()
+            except OSError:
+                continue
+            if text:
+                stacks += f"\n--- rank {rank}, faulthandler ---\n{text}"
+        return stacks
 
     def close(self) -> None:
         self.request_stop()
@@ -147,6 +174,9 @@ class DistributedPool:
             process.join(timeout=max(0.0, deadline - time.monotonic()))
             if process.is_alive():
                 process.kill()
+        for process in self.processes:
+            process.join(timeout=1.0)  # a killed rank has let go of its crash log
+        shutil.rmtree(self.crash_log_dir, ignore_errors=True)
 
 
 class RankDiedWarning(UserWarning):
@@ -164,9 +194,9 @@ class PoolRegistry:
         A rank killed by a signal (a native crash, on record once in CI: glibc's "malloc(): unaligned
         tcache chunk detected" in a test that passed in every run here, with and without glibc's
         malloc checks) takes down the pool, not the test's assertion. The function is run once more
-        on a fresh pool and the crash is reported as a warning in the test summary (and the rank's
-        Python stacks on the test's stderr, see ``_worker``); a second death, an assertion or a
-        timeout fails the test as before.
+        on a fresh pool and the crash is reported as a warning in the test summary, quoting the
+        dead rank's Python stack as faulthandler wrote it (``_worker``); a second death, an
+        assertion or a timeout fails the test as before.
         """
         try:
             return self._run_on_pool(world_size, function, *args, **kwargs)
