@@ -223,7 +223,6 @@ def test_custom_ops_round_trip_every_rank_through_the_shard_layout():
             assert_same_bits(out, shard(t, rank, world))
 
 
-
 def test_functional_ops_of_compiled_graphs_equal_the_ops_writing_into_buffers():
     """The bucket pass's copy-in / copy-out ops return what the mutating ops write (bf16 cast and
     padding included), and their fake implementations give the shapes and dtypes they return."""
@@ -254,6 +253,7 @@ def test_functional_ops_of_compiled_graphs_equal_the_ops_writing_into_buffers():
         assert [(tuple(t.shape), t.dtype) for t in outs] == [(tuple(s), torch.bfloat16) for s in shapes]
         flat = torch.ops.fsdp_compile.all_gather_copy_in_functional([fake_mode.from_tensor(unsharded[0])], [padded[0] * world], torch.float16)
         assert tuple(flat.shape) == (padded[0] * world,) and flat.dtype == torch.float16
+
 
 def test_custom_ops_refuse_a_buffer_of_the_wrong_size_before_writing():
     shards = [torch.ones(2, 3)]

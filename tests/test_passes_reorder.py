@@ -318,7 +318,7 @@ def test_backends_with_different_passes_never_share_graphs():
             # Forward only: one Inductor compile each (observe_graphs turns the compile caches off).
             with torch.no_grad(), observe_graphs() as graphs:
                 torch.compile(model, backend=fsdp_inductor_with(passes))(torch.randint(0, CONFIG.vocab_size, (2, 8)))
-            # The outer graph (the blocks' bodies, compiled on their own, hold no collective).
+            # Every forward graph: the outer one holds the collectives, the blocks' bodies none.
             gathers.append(sum(len(collective_nodes(g.graph, ALL_GATHER)) for kind, g in graphs if kind == "forward"))
     finally:
         torch._dynamo.reset()

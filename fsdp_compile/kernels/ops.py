@@ -153,6 +153,10 @@ def _new_unsharded(gathered: torch.Tensor, sizes: list[int], ndims: list[int]) -
     return [gathered.new_empty(shape) for shape in _split_shapes(sizes, ndims)]
 
 
+def _new_bucket(shards: list[torch.Tensor], padded_numels: list[int], dtype: torch.dtype) -> torch.Tensor:
+    return shards[0].new_empty(sum(padded_numels), dtype=dtype)
+
+
 # [Note: one copy-in and one copy-out per bucket in compiled graphs]
 # The bucket pass (passes/bucket.py) writes an all-gather bucket's padded, cast shards into one
 # flat buffer and gives each parameter its unsharded tensor from the gathered ``[world, total]``
@@ -170,14 +174,14 @@ def _new_unsharded(gathered: torch.Tensor, sizes: list[int], ndims: list[int]) -
 )
 def all_gather_copy_in_functional(shards: list[torch.Tensor], padded_numels: list[int], dtype: torch.dtype) -> torch.Tensor:
     """``all_gather_copy_in`` into a new flat buffer of ``dtype`` (for compiled graphs; see the note above)."""
-    out = shards[0].new_empty(sum(padded_numels), dtype=dtype)
+    out = _new_bucket(shards, padded_numels, dtype)
     torch.ops.fsdp_compile.all_gather_copy_in(shards, padded_numels, out)
     return out
 
 
 @all_gather_copy_in_functional.register_fake
 def _all_gather_copy_in_functional_shape(shards: list[torch.Tensor], padded_numels: list[int], dtype: torch.dtype) -> torch.Tensor:
-    return shards[0].new_empty(sum(padded_numels), dtype=dtype)
+    return _new_bucket(shards, padded_numels, dtype)
 
 
 @torch.library.custom_op(
