@@ -2,7 +2,8 @@
 
 Block-quantized all-gathers (int8, fp8 e4m3) reproduce the kernels' quantize / dequantize exactly,
 eager and compiled; the bf16 gradient wire sums in float32 (exactly the float32 sum of the rounded
-contributions) and loses less than a bf16 reduce-scatter; bad policies fail at ``fully_shard``.
+contributions) and loses less than a bf16 reduce-scatter (nothing at all on bf16 gradients); bad
+policies fail at ``fully_shard``.
 """
 from __future__ import annotations
 
@@ -124,6 +125,38 @@ def test_bf16_wire_is_the_float32_sum_of_rounded_gradients_and_beats_a_bf16_redu
     # and 0.32x at world 4 (once per hop).
     bound = 0.5 if world == 4 else 0.6
     assert result["wire"] <= bound * result["bf16_reduce_scatter"], result
+
+
+def _bf16_gradient_wire() -> dict:
+    """Gradients computed in bf16 (``param_dtype=torch.bfloat16``, the usual training setting): the
+    wire's rounding is then a no-op, so only the reduction's own arithmetic differs between the
+    bf16 wire, FSDP2's default bf16 reduce-scatter and a float32 reduce-scatter."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    contributions = [torch.randn(8192, generator=torch.Generator().manual_seed(r)) * (1 + r) for r in range(world)]
+    exact = sum(c.bfloat16().double() for c in contributions) / world
+    out = {}
+    for name, kwargs in (
+        ("wire", {"comm_policy": CommPolicy(reduce_wire_dtype=torch.bfloat16)}),
+        ("bf16_reduce_scatter", {}),  # FSDP2's default: the reduce dtype is param_dtype
+        ("float32_reduce_scatter", {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}),
+    ):
+        model = _Weighted()
+        fully_shard(model, **{"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16), **kwargs})
+        with fsdp_compile.record_collectives() as log:
+            model(contributions[rank]).backward()
+        out[name] = (model.weight.grad.full_tensor().double() - exact).abs().max().item()
+        out[f"{name}_bytes"] = sum(r.nbytes for r in log if r.kind == "reduce_scatter")
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_bf16_wire_on_bf16_gradients_is_as_exact_as_a_float32_reduce_scatter_at_half_its_bytes(dist, world):
+    result = dist.run(world, _bf16_gradient_wire)[0]
+    assert result["wire_bytes"] == result["bf16_reduce_scatter_bytes"] == result["float32_reduce_scatter_bytes"] // 2 == 8192 * 2
+    assert result["bf16_reduce_scatter"] > 0, result
+    # The float32 sums of at most four bf16 values round only where their exponents lie far apart.
+    assert result["wire"] <= result["float32_reduce_scatter"] + 1e-6, result
+    assert result["wire"] <= 0.01 * result["bf16_reduce_scatter"], result
 
 
 def _train(policy: CommPolicy, mode: str, steps: int, config: TransformerConfig = UNTIED) -> list[float]:
