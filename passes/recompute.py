@@ -84,10 +84,14 @@ def read_region_saved_inputs_directly(graph: fx.Graph) -> int:
             if chain is None:
                 continue
             if any(arg not in operand for view, inner in zip(chain[1:], chain) for arg in view.all_input_nodes if arg is not inner):
-                give_up(
-                    "recompute", "region %s returns a view of its input %s sized inside its body; it stays saved for backward",
-                    call.args[1], chain[0].name,
-                )
+                # Only an unsharded parameter (an annotated unshard's output) left saved costs
+                # memory: an activation view (``x.view(-1, dim)`` for a weight's gradient) is saved
+                # for backward either way.
+                if fsdp_annotation(operand[chain[0]]) is not None:
+                    give_up(
+                        "recompute", "region %s returns a view of its parameter input %s sized inside its body; it stays "
+                        "saved for backward", call.args[1], chain[0].name,
+                    )
                 continue
             outside = operand[chain[0]]
             with graph.inserting_before(call):
