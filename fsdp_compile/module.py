@@ -73,7 +73,8 @@ class FSDPModule:
         # See [Note: compile once per block].
         if torch.compiler.is_compiling():
             state = self._fsdp_state()
-            if state.compiles_as_region:
+            # Under dynamic=True a block is traced inline ([Note: where Dynamo's body reuse stops], 3).
+            if state.compiles_as_region and torch._dynamo.config.assume_static_by_default:
                 unsharded = state.traced_unshard(state.group.fsdp_params)
                 return _block_region(self, unsharded, args, kwargs, _reuse_marker(args, kwargs))
         elif self._fsdp_state().hooks_stood_aside():
@@ -495,15 +496,19 @@ _block_region = torch.compiler.nested_compile_region(
 #    has more than ``max_reuse_entries`` (8 by default): a model whose blocks differ in anything
 #    their forward reads (a per-layer index or window, say) would fail at its ninth block. A model
 #    has at most as many structures as blocks, so the region takes no bound.
-# 2. torch 2.13's stamp-out of a reused body fails on symbolic sizes: with ``dynamic=True`` (every
-#    dim starts symbolic) the first block's trace specializes some (the hidden size, against the
-#    static weights) and the stamp-out looks them up as integers (``KeyError: 16`` in
-#    stamp_out_subgraph, on the Transformer); after a sequence length changed under the default
-#    ``dynamic=None``, a block called under activation checkpointing fails alike (``KeyError: s50``:
-#    the checkpoint's tracer does not hold the symbol). So a block whose inputs have a symbolic size,
-#    or any block under ``dynamic=True``, passes a marker object, an argument kind Dynamo's reuse does
-#    not take: its body is traced on its own, as before reuse, and AOTAutograd and Inductor still
-#    compile identical bodies once. Static shapes, the usual training step, keep the reuse.
+# 2. torch 2.13's stamp-out of a reused body fails on symbolic sizes: after a sequence length
+#    changed under the default ``dynamic=None``, a block called under activation checkpointing fails
+#    (``KeyError: s50``: the checkpoint's tracer does not hold the symbol). So a block whose inputs
+#    have a symbolic size passes a marker object, an argument kind Dynamo's reuse does not take: its
+#    body is traced on its own, as before reuse, and AOTAutograd and Inductor still compile
+#    identical bodies once. Static shapes, the usual training step, keep the reuse.
+# 3. Under ``dynamic=True`` Dynamo also makes every float a block reads (a norm's ``eps``) a graph
+#    input, read with ``.item()`` inside the body, and AOTAutograd cannot trace that inside a region
+#    (``DataDependentOutputException: aten._local_scalar_dense``): the backend failed, Dynamo ran the
+#    whole model eagerly, and each block compiled as a frame of its own (the Transformer, from 3
+#    blocks on; with 2 a body used once is inlined). So under ``dynamic=True`` a block is no region:
+#    it is traced inline, as with ``config.compile_blocks_once = False`` (correct, one graph,
+#    compiled per block).
 class _TraceOnItsOwn:
     """Passed to a block region: Dynamo does not reuse a traced body across calls taking one."""
 
@@ -514,7 +519,7 @@ _TRACE_ON_ITS_OWN = _TraceOnItsOwn()
 def _reuse_marker(args: tuple, kwargs: dict) -> object:
     """``None`` (reuse the traced body) or the marker; see [Note: where Dynamo's body reuse stops]."""
     symbolic = any(isinstance(size, torch.SymInt) for tensor in tensors_in((args, kwargs)) for size in tensor.shape)
-    return _TRACE_ON_ITS_OWN if symbolic or not torch._dynamo.config.assume_static_by_default else None
+    return _TRACE_ON_ITS_OWN if symbolic else None
 
 
 def _let_a_block_body_graph_break() -> None:
