@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import warnings
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -53,6 +54,36 @@ def observe_graphs() -> Iterator[list[tuple[str, fx.GraphModule]]]:
 def _notify(kind: str, gm: fx.GraphModule) -> None:
     for observer in _graph_observers:
         observer(kind, gm)
+
+
+# [Note: a backend failure Dynamo turns into eager code]
+# Dynamo (torch 2.13) does not raise every error of a backend: a fake-tensor error (a data-dependent
+# ``.item()``, an unsupported operator; torch's ``exceptions_allowed_to_be_fallback``) becomes a
+# graph break that runs the frame eagerly, logged only under TORCH_LOGS=graph_breaks. For a whole
+# FSDP model that means the whole step runs eagerly (with the eager hooks, so it still trains
+# right) while the user believes it compiled; the eager hooks' own warning names only the modules.
+# So the fsdp backends say it, once per graph, naming the error, and let Dynamo go on as it does.
+_FALLBACK_ERRORS = getattr(
+    torch._dynamo.exc, "exceptions_allowed_to_be_fallback",
+    (torch._subclasses.fake_tensor.DataDependentOutputException, torch._subclasses.fake_tensor.DynamicOutputShapeException,
+     torch._subclasses.fake_tensor.UnsupportedOperatorException),
+)
+
+
+@contextlib.contextmanager
+def _said_when_dynamo_falls_back(backend: str) -> Iterator[None]:
+    """See [Note: a backend failure Dynamo turns into eager code]."""
+    try:
+        yield
+    except _FALLBACK_ERRORS as error:
+        graph = torch._guards.CompileContext.current_compile_id()
+        warnings.warn(
+            f"fsdp_compile: {backend} could not compile graph {graph} ({type(error).__name__}: {error}). Dynamo runs "
+            "that code eagerly instead; fsdp_compile's eager hooks gather and reduce the parameters of each module in "
+            "it, so training stays correct, but it is not compiled. TORCH_LOGS=graph_breaks shows where it failed.",
+            stacklevel=2,
+        )
+        raise
 
 
 def _tag_recompute(graph: fx.Graph) -> None:
@@ -230,7 +261,8 @@ def _compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], pa
         # See [Note: Inductor's buffer reuse across nested regions].
         config_patches["allow_buffer_reuse"] = False
     _add_traced_op_to_inductors_decompositions()
-    return compile_fx(gm, example_inputs, config_patches=config_patches)
+    with _said_when_dynamo_falls_back("fsdp_inductor"):
+        return compile_fx(gm, example_inputs, config_patches=config_patches)
 
 
 def _add_traced_op_to_inductors_decompositions() -> None:
@@ -316,10 +348,11 @@ def fsdp_aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: 
 
         return compiler
 
-    return aot_module_simplified(
-        gm, example_inputs, fw_compiler=run_eagerly("forward"), bw_compiler=run_eagerly("backward"), partition_fn=partition,
-        decompositions=TRACED_OP_DECOMPOSITIONS,
-    )
+    with _said_when_dynamo_falls_back("fsdp_aot_eager"):
+        return aot_module_simplified(
+            gm, example_inputs, fw_compiler=run_eagerly("forward"), bw_compiler=run_eagerly("backward"), partition_fn=partition,
+            decompositions=TRACED_OP_DECOMPOSITIONS,
+        )
 
 
 # [Note: warm start across processes]

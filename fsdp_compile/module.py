@@ -93,8 +93,9 @@ class FSDPModule:
             _warned_eager_frames.add(state.label)
             warnings.warn(
                 f"fsdp_compile: the forward of '{state.label}' ran eagerly inside a compiled model (Dynamo did not "
-                "compile this frame: torch.compiler.disable, a recompile limit or a skipped frame); its FSDP hooks run "
-                "eagerly around it. Numerics are unchanged; its collectives are not part of the compiled graph.",
+                "compile this frame: torch.compiler.disable, a recompile limit, a skipped frame, or a backend that "
+                "failed on the graph, which the backend's warning names); its FSDP hooks run eagerly around it. "
+                "Numerics are unchanged; its collectives are not part of the compiled graph.",
                 stacklevel=2,
             )
         args, kwargs = state._pre_forward(self, args, kwargs)

@@ -291,22 +291,31 @@ def _whole_model_with_eager_frames(case: str):
         torch._dynamo.config.recompile_limit = 1  # the second sequence length runs the model eagerly
     runner = torch.compile(compiled, backend="fsdp_aot_eager", dynamic=False)
     seqs = (12, 12, 8, 6, 12)
+    aot_module_simplified = torch._functorch.aot_autograd.aot_module_simplified
+    if case == "backend_fails":
+        # What Dynamo turns into eager code: a fake-tensor error in the backend (as a data-dependent
+        # .item() inside a region raised under dynamic=True).
+        def failing(*args, **kwargs):
+            raise torch._subclasses.fake_tensor.DataDependentOutputException(torch.ops.aten._local_scalar_dense.default)
 
+        torch._functorch.aot_autograd.aot_module_simplified = failing
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             compiled_losses = _train(runner, len(seqs), seqs=seqs)
     finally:
         torch._dynamo.config.recompile_limit = previous_limit
+        torch._functorch.aot_autograd.aot_module_simplified = aot_module_simplified
     return {
         "eager_losses": _train(eager, len(seqs), seqs=seqs),
         "compiled_losses": compiled_losses,
         "param_gap": _param_gap(eager, compiled),
         "warnings": sorted({str(w.message)[:60] for w in caught if "ran eagerly inside a compiled model" in str(w.message)}),
+        "backend_warnings": sorted({str(w.message)[:90] for w in caught if "could not compile graph" in str(w.message)}),
     }
 
 
-@pytest.mark.parametrize("case", ["one_block_disabled", "recompile_limit_1"])
+@pytest.mark.parametrize("case", ["one_block_disabled", "recompile_limit_1", "backend_fails"])
 def test_whole_model_frames_run_eagerly_get_the_eager_hooks_and_train_like_eager(dist, case):
     result = dist.run(2, _whole_model_with_eager_frames, case)[0]
     for eager, compiled in zip(result["eager_losses"], result["compiled_losses"]):
@@ -316,8 +325,14 @@ def test_whole_model_frames_run_eagerly_get_the_eager_hooks_and_train_like_eager
         # (Dynamo may run the rest of the loop over blocks eagerly too; each such block is named.)
         assert "fsdp_compile: the forward of 'layers.1' ran eagerly inside a" in result["warnings"], result
         assert "fsdp_compile: the forward of 'layers.0' ran eagerly inside a" not in result["warnings"], result
-    else:  # the whole frame ran eagerly, hooks included: nothing stood aside
+    elif case == "recompile_limit_1":  # the whole frame ran eagerly, hooks included: nothing stood aside
         assert result["warnings"] == [], result
+    else:  # said by the backend, with the error, not only by the modules that then ran eagerly
+        assert result["backend_warnings"] and all(
+            "fsdp_aot_eager could not compile graph" in w and "DataDependentOutputException" in w for w in result["backend_warnings"]
+        ), result
+    if case != "backend_fails":
+        assert result["backend_warnings"] == [], result
 
 
 class _IndexedBlock(nn.Module):
