@@ -505,9 +505,9 @@ _block_region = torch.compiler.nested_compile_region(
 #    identical bodies once. Static shapes, the usual training step, keep the reuse.
 # 3. Under ``dynamic=True`` Dynamo also makes every float a block reads (a norm's ``eps``) a graph
 #    input, read with ``.item()`` inside the body, and AOTAutograd cannot trace that inside a region
-#    (``DataDependentOutputException: aten._local_scalar_dense``): the backend failed, Dynamo ran the
-#    whole model eagerly, and each block compiled as a frame of its own (the Transformer, from 3
-#    blocks on; with 2 a body used once is inlined). So under ``dynamic=True`` a block is no region:
+#    (``DataDependentOutputException: aten._local_scalar_dense``): the backend failed and Dynamo ran
+#    the model's forward eagerly, every block with the eager hooks (the Transformer, from 3 blocks
+#    on; with 2 a body used once is inlined). So under ``dynamic=True`` a block is no region:
 #    it is traced inline, as with ``config.compile_blocks_once = False`` (correct, one graph,
 #    compiled per block).
 class _TraceOnItsOwn:
