@@ -63,6 +63,8 @@ def _notify(kind: str, gm: fx.GraphModule) -> None:
 # FSDP model that means the whole step runs eagerly (with the eager hooks, so it still trains
 # right) while the user believes it compiled; the eager hooks' own warning names only the modules.
 # So the fsdp backends say it, once per graph, naming the error, and let Dynamo go on as it does.
+# The tests turn that warning into an error (pyproject.toml, tests/conftest.py): in the whole suite
+# no compiled test quietly ran eagerly, besides the one that makes its backend fail on purpose.
 _FALLBACK_ERRORS = getattr(
     torch._dynamo.exc, "exceptions_allowed_to_be_fallback",
     (torch._subclasses.fake_tensor.DataDependentOutputException, torch._subclasses.fake_tensor.DynamicOutputShapeException,

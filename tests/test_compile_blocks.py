@@ -291,21 +291,23 @@ def _whole_model_with_eager_frames(case: str):
         torch._dynamo.config.recompile_limit = 1  # the second sequence length runs the model eagerly
     runner = torch.compile(compiled, backend="fsdp_aot_eager", dynamic=False)
     seqs = (12, 12) if case == "backend_fails" else (12, 12, 8, 6, 12)
-    aot_module_simplified = torch._functorch.aot_autograd.aot_module_simplified
+    import torch._functorch.aot_autograd as aot_autograd
+
+    aot_module_simplified = aot_autograd.aot_module_simplified
     if case == "backend_fails":
         # What Dynamo turns into eager code: a fake-tensor error in the backend (as a data-dependent
         # .item() inside a region raised under dynamic=True).
         def failing(*args, **kwargs):
             raise torch._subclasses.fake_tensor.DataDependentOutputException(torch.ops.aten._local_scalar_dense.default)
 
-        torch._functorch.aot_autograd.aot_module_simplified = failing
+        aot_autograd.aot_module_simplified = failing
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             compiled_losses = _train(runner, len(seqs), seqs=seqs)
     finally:
         torch._dynamo.config.recompile_limit = previous_limit
-        torch._functorch.aot_autograd.aot_module_simplified = aot_module_simplified
+        aot_autograd.aot_module_simplified = aot_module_simplified
     return {
         "eager_losses": _train(eager, len(seqs), seqs=seqs),
         "compiled_losses": compiled_losses,
