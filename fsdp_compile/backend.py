@@ -83,7 +83,6 @@ def _said_when_dynamo_falls_back(backend: str) -> Iterator[None]:
             f"fsdp_compile: {backend} could not compile graph {graph} ({type(error).__name__}: {error}). Dynamo runs "
             "that code eagerly instead; fsdp_compile's eager hooks gather and reduce the parameters of each module in "
             "it, so training stays correct, but it is not compiled. TORCH_LOGS=graph_breaks shows where it failed.",
-            stacklevel=2,
         )
         raise
 

@@ -73,8 +73,7 @@ class FSDPModule:
         # See [Note: compile once per block].
         if torch.compiler.is_compiling():
             state = self._fsdp_state()
-            # Under dynamic=True a block is traced inline ([Note: where Dynamo's body reuse stops], 3).
-            if state.compiles_as_region and torch._dynamo.config.assume_static_by_default:
+            if state.compiles_as_region:
                 unsharded = state.traced_unshard(state.group.fsdp_params)
                 return _block_region(self, unsharded, args, kwargs, _reuse_marker(args, kwargs))
         elif self._fsdp_state().hooks_stood_aside():

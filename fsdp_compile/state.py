@@ -173,12 +173,13 @@ class FSDPState:
     def compiles_as_region(self) -> bool:
         """Whether this module's forward is a nested compile region: a block with an enclosing
         fully_shard module, no fully_shard module inside and one module in its group (see
-        [Note: compile once per block] in module.py)."""
+        [Note: compile once per block] in module.py); under ``torch.compile(dynamic=True)`` none is
+        ([Note: where Dynamo's body reuse stops], 3)."""
         # Plain flags set by fully_shard: read under Dynamo, they guard on values that are the same
         # for every block, never on a block's identity (per-block compile shares one graph).
         return (
             config.compile_blocks_once and self.has_group and self.has_outer and self.single_module and self.is_leaf
-            and not self.per_block_compiled
+            and not self.per_block_compiled and torch._dynamo.config.assume_static_by_default
         )
 
     def hooks_stood_aside(self) -> bool:

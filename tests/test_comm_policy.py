@@ -95,9 +95,24 @@ class _Weighted(nn.Module):
         return (self.weight * c).sum()
 
 
+def _contributions(world: int) -> list[torch.Tensor]:
+    """Each rank's gradient for ``_Weighted``: of different magnitudes, so their sum rounds."""
+    return [torch.randn(8192, generator=torch.Generator().manual_seed(r)) * (1 + r) for r in range(world)]
+
+
+def _reduced(contribution: torch.Tensor, **fully_shard_kwargs) -> tuple[torch.Tensor, list]:
+    """The full reduced gradient of ``_Weighted`` after this rank contributed ``contribution``, and
+    the reduce-scatters' records."""
+    model = _Weighted()
+    fully_shard(model, **fully_shard_kwargs)
+    with fsdp_compile.record_collectives() as log:
+        model(contribution).backward()
+    return model.weight.grad.full_tensor(), [r for r in log if r.kind == "reduce_scatter"]
+
+
 def _gradient_wire() -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
-    contributions = [torch.randn(8192, generator=torch.Generator().manual_seed(r)) * (1 + r) for r in range(world)]
+    contributions = _contributions(world)
     exact = sum(c.double() for c in contributions) / world
     rounded_sum = sum(c.bfloat16().float() for c in contributions) / world  # float32, rank order
     out = {}
@@ -105,14 +120,10 @@ def _gradient_wire() -> dict:
         ("wire", {"comm_policy": CommPolicy(reduce_wire_dtype=torch.bfloat16)}),
         ("bf16_reduce_scatter", {"mp_policy": MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)}),
     ):
-        model = _Weighted()
-        fully_shard(model, **kwargs)
-        with fsdp_compile.record_collectives() as log:
-            model(contributions[rank]).backward()
-        grad = model.weight.grad.full_tensor()
+        grad, reduce_scatters = _reduced(contributions[rank], **kwargs)
         out[name] = (grad.double() - exact).abs().max().item()
         out[f"{name}_vs_rounded_sum"] = (grad - rounded_sum).abs().max().item()
-        out[f"{name}_bytes"] = [(r.kind, str(r.dtype), r.nbytes) for r in log if r.kind == "reduce_scatter"]
+        out[f"{name}_bytes"] = [(r.kind, str(r.dtype), r.nbytes) for r in reduce_scatters]
     return out
 
 
@@ -132,7 +143,7 @@ def _bf16_gradient_wire() -> dict:
     wire's rounding is then a no-op, so only the reduction's own arithmetic differs between the
     bf16 wire, FSDP2's default bf16 reduce-scatter and a float32 reduce-scatter."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    contributions = [torch.randn(8192, generator=torch.Generator().manual_seed(r)) * (1 + r) for r in range(world)]
+    contributions = _contributions(world)
     exact = sum(c.bfloat16().double() for c in contributions) / world
     out = {}
     for name, kwargs in (
@@ -140,12 +151,9 @@ def _bf16_gradient_wire() -> dict:
         ("bf16_reduce_scatter", {}),  # FSDP2's default: the reduce dtype is param_dtype
         ("float32_reduce_scatter", {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}),
     ):
-        model = _Weighted()
-        fully_shard(model, **{"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16), **kwargs})
-        with fsdp_compile.record_collectives() as log:
-            model(contributions[rank]).backward()
-        out[name] = (model.weight.grad.full_tensor().double() - exact).abs().max().item()
-        out[f"{name}_bytes"] = sum(r.nbytes for r in log if r.kind == "reduce_scatter")
+        grad, reduce_scatters = _reduced(contributions[rank], **{"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16), **kwargs})
+        out[name] = (grad.double() - exact).abs().max().item()
+        out[f"{name}_bytes"] = sum(r.nbytes for r in reduce_scatters)
     return out
 
 

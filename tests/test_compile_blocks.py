@@ -178,28 +178,18 @@ def _region_inputs_saved(forward, parameters_only: bool = False) -> int:
 
 
 def _whole_model_regions(layers: int, backend: str, reshard_blocks: bool, tiny: bool = False, seqs: tuple[int, ...] = (12, 12)):
-    """Two training steps (one per sequence length in ``seqs``); the graphs looked at are the last
+    """One training step per sequence length in ``seqs``; the graphs looked at are the last
     compile's (the recompile with symbolic sizes, where ``seqs`` differ)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    config = TransformerConfig(vocab_size=32, dim=16, n_layers=layers, n_heads=2, max_seq_len=16)
-    reference = TinyLM(n_layers=layers) if tiny else Transformer(config)
+    reference = TinyLM(n_layers=layers) if tiny else Transformer(TransformerConfig(vocab_size=32, dim=16, n_layers=layers, n_heads=2, max_seq_len=16))
     eager = _shard(copy.deepcopy(reference), MixedPrecisionPolicy(), reshard_blocks=reshard_blocks)
     compiled = _shard(copy.deepcopy(reference), MixedPrecisionPolicy(), reshard_blocks=reshard_blocks)
     body_traces_before = len(compilation_time_metrics.get("invoke_subgraph_trace", []))
     pass_counters.clear()
     with observe_graphs() as graphs:
-        runner = torch.compile(compiled, backend=backend)
-        optimizer = torch.optim.SGD(compiled.parameters(), lr=0.1)
-        compiled_losses = []
-        for step, seq in enumerate(seqs):
-            tokens = _tokens(2, seq, seed=100 * step + dist.get_rank())
-            loss = next_token_loss(runner(tokens), tokens)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            compiled_losses.append(loss.item())
-    eager_losses = _train(eager, 2, seqs=seqs)
+        compiled_losses = _train(torch.compile(compiled, backend=backend), len(seqs), seqs=seqs)
+    eager_losses = _train(eager, len(seqs), seqs=seqs)
     invoke = torch.ops.higher_order.invoke_subgraph
     # The outer forward graph (Inductor also runs the post-grad passes on each region's body).
     forward = [g for kind, g in graphs if kind == "forward" and any(n.target is invoke for n in g.graph.nodes)][-1]
