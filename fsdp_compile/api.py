@@ -69,8 +69,9 @@ class CommPolicy:
         block_size: elements per scale (default 128); scales add ``4 / block_size`` bytes per element.
         reduce_wire_dtype: gradients travel in this dtype (e.g. ``torch.bfloat16``), as an
             all-to-all of each rank's chunks instead of a reduce-scatter; every rank then sums
-            what it received in ``reduce_accumulate_dtype``, so the result is the float32 sum of
-            the rounded contributions (no rounding at every hop, as a bf16 reduce-scatter has).
+            what it received in ``reduce_accumulate_dtype``, its own chunk unrounded (it never
+            travels), so the result is the float32 sum of the rounded contributions of the other
+            ranks and this rank's own (no rounding at every hop, as a bf16 reduce-scatter has).
         reduce_accumulate_dtype: dtype of that sum (float32 by default).
 
     Example::

@@ -304,13 +304,14 @@ class FSDPParamGroup:
         assert self._reduction_in_flight is not None, f"group '{self.label}' has no reduction in flight"
         pending, params = self._reduction_in_flight
         self._reduction_in_flight = None
-        reduced = pending.wait(self.comm)
+        reduced, own_row = pending.wait(self.comm), pending.own_row
         spec = self.reduce_spec
+        own = {} if own_row is None else {"own_row": own_row, "own_rank": self.mesh_info.shard_rank}
         padded = [p.padded_shard_numel for p in params]
         hybrid = self.mesh_info.replicate_group is not None
         if reduced.dim() == 2 and (hybrid or self.all_reduce_hook is not None):
             # The gradient wire's rows, summed in float32 here when more follows; else in the copy-out.
-            reduced = quantized_reference.sum_rows(reduced)
+            reduced = quantized_reference.sum_rows(reduced, **own)
         if hybrid:
             # See [Note: deferred all-reduce] in param.py.
             segments = [
@@ -343,7 +344,7 @@ class FSDPParamGroup:
         ]
         with torch.no_grad():
             if reduced.dim() == 2:  # the gradient wire's rows: sum in float32, divide, write, one op
-                quantized.sum_rows_copy_out(reduced, padded, targets, spec.post_divide, accumulate)
+                quantized.sum_rows_copy_out(reduced, padded, targets, spec.post_divide, accumulate, **own)
             else:
                 ops.reduce_scatter_copy_out(reduced, padded, targets, spec.post_divide, accumulate)
             for fsdp_param, out, target in zip(params, outs, targets):

@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 import torch.fx.traceback as fx_traceback
 
@@ -86,14 +87,33 @@ def _gather_quantized(
     return rows.reshape(shard_size * padded_shard.shape[0], *padded_shard.shape[1:])
 
 
+@torch.library.custom_op("fsdp_compile::shard_rank", mutates_args=())
+def _shard_rank(like: torch.Tensor, shard_group_name: str) -> torch.Tensor:
+    """This process's rank in the group, as a 0-d int64 tensor on ``like``'s device.
+
+    An op, read when the graph runs, rather than a constant traced into it: the graph (and the
+    caches keyed on it) stays the same on every rank.
+    """
+    rank = dist.get_rank(dist.distributed_c10d._resolve_process_group(shard_group_name))
+    return torch.full((), rank, dtype=torch.int64, device=like.device)
+
+
+@_shard_rank.register_fake
+def _shard_rank_shape(like: torch.Tensor, shard_group_name: str) -> torch.Tensor:
+    return like.new_empty((), dtype=torch.int64)
+
+
 def _reduce_over_wire(grad: torch.Tensor, wire_dtype: torch.dtype, shard_size: int, shard_group_name: str) -> torch.Tensor:
     """CommPolicy's gradient wire as graph nodes: all-to-all of the chunks in ``wire_dtype``, then the
-    float32 sum of the received rows in rank order (the eager ``sum_rows_copy_out``'s arithmetic)."""
+    float32 sum of the received rows in rank order, this rank's own chunk unrounded (the eager
+    ``sum_rows_copy_out``'s arithmetic; see [Note: the gradient wire's own chunk] in collectives.py)."""
     sent = grad.to(wire_dtype).contiguous()
     splits = [grad.shape[0] // shard_size] * shard_size
     received = _functional.wait_tensor(_functional.all_to_all_single(sent, splits, splits, shard_group_name))
     rows = received.view(shard_size, -1)
-    return quantized_reference.sum_rows(rows).view(grad.shape[0] // shard_size, *grad.shape[1:])
+    rank = torch.ops.fsdp_compile.shard_rank(grad, shard_group_name)
+    own_row = grad.reshape(shard_size, -1).index_select(0, rank.view(1)).view(-1).to(torch.float32)
+    return quantized_reference.sum_rows(rows, own_row, rank).view(grad.shape[0] // shard_size, *grad.shape[1:])
 
 
 # [Note: the traced all-gather is one op]

@@ -294,6 +294,18 @@ def test_sum_rows_copy_out_accumulates_in_float32_not_in_the_wire_dtype():
     assert grad.item() == 260.0
 
 
+def test_sum_rows_copy_out_sums_the_own_row_in_place_of_its_received_row():
+    # Rank 1's own chunk, 1 + 2**-10, would round to 1 in bf16; given as own_row it is summed unrounded.
+    received = torch.tensor([[256.0], [1.0], [1.0]], dtype=torch.bfloat16)
+    grad = torch.empty(1)
+    torch.ops.fsdp_compile.sum_rows_copy_out(received, [1], [grad], 1.0, False, torch.tensor([1 + 2**-10]), 1)
+    assert grad.item() == 258 + 2**-10
+    with pytest.raises(ValueError, match="own_rank 3 is not a row"):
+        torch.ops.fsdp_compile.sum_rows_copy_out(received, [1], [grad], 1.0, False, torch.tensor([1.0]), 3)
+    with pytest.raises(ValueError, match="own_row must be a contiguous float32 row of 1"):
+        torch.ops.fsdp_compile.sum_rows_copy_out(received, [1], [grad], 1.0, False, torch.ones(2), 0)
+
+
 def test_sum_rows_copy_out_refuses_bad_arguments():
     with pytest.raises(ValueError, match="non-zero"):
         torch.ops.fsdp_compile.sum_rows_copy_out(torch.ones(2, 2), [2], [torch.empty(2)], 0.0, False)
@@ -399,24 +411,28 @@ def test_triton_e4m3_decoding_matches_torch_for_every_code(interpreted):
     assert_same_bits(out, codes.view(torch.float8_e4m3fn).float().view(-1))
 
 
+@pytest.mark.parametrize("own_rank", [None, 0, 2], ids=["all-received", "own-row-0", "own-row-2"])
 @pytest.mark.parametrize("accumulate", [False, True])
 @pytest.mark.parametrize("post_divide", [1.0, 3.0])
 @pytest.mark.parametrize("src, dst", [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float16)],
                          ids=["bf16-fp32", "bf16-bf16", "fp32-fp16"])
-def test_triton_sum_rows_copy_out_equals_reference(interpreted, src, dst, post_divide, accumulate):
+def test_triton_sum_rows_copy_out_equals_reference(interpreted, src, dst, post_divide, accumulate, own_rank):
     world = 4
     shapes, padded = group(world, seed=2)
     gen = torch.Generator().manual_seed(7)
     received = torch.randn(world, sum(padded), generator=gen).to(src)
     received[:, 0] = -0.0  # a lone -0.0 sum keeps its sign only if row 0 starts the sum
+    own = {} if own_rank is None else {"own_row": torch.randn(sum(padded), generator=gen), "own_rank": own_rank}
+    if own:
+        own["own_row"][0] = -0.0
     sharded = [ShardLayout(shape, 0, world, world - 1).shard_of(torch.empty(shape)).shape for shape in shapes]
     if accumulate:
         ours = [torch.randn(s, generator=gen).to(dst) for s in sharded]
     else:
         ours = [torch.full(s, SENTINEL, dtype=dst) for s in sharded]
     theirs = [t.clone() for t in ours]
-    interpreted.sum_rows_copy_out(received, padded, ours, post_divide, accumulate)
-    quantized_reference.sum_rows_copy_out(received, padded, theirs, post_divide, accumulate)
+    interpreted.sum_rows_copy_out(received, padded, ours, post_divide, accumulate, **own)
+    quantized_reference.sum_rows_copy_out(received, padded, theirs, post_divide, accumulate, **own)
     for a, b in zip(ours, theirs):
         assert_same_bits(a, b)
 

@@ -109,7 +109,8 @@ def check_quantized_all_gather_copy_out(
 
 
 def check_sum_rows_copy_out(
-    received: torch.Tensor, padded_numels: list[int], outs: list[torch.Tensor], post_divide: float, accumulate: bool
+    received: torch.Tensor, padded_numels: list[int], outs: list[torch.Tensor], post_divide: float, accumulate: bool,
+    own_row: torch.Tensor | None = None, own_rank: int = 0,
 ) -> None:
     op = "sum_rows_copy_out"
     _check_padded_numels(op, len(outs), "outs", padded_numels)
@@ -121,6 +122,17 @@ def check_sum_rows_copy_out(
     if post_divide == 0:
         _fail(op, "post_divide must be non-zero")
     _check_device(op, received, outs, "outs")
+    if own_row is not None:
+        if own_row.dtype != torch.float32 or tuple(own_row.shape) != (received.shape[1],) or not own_row.is_contiguous():
+            _fail(
+                op,
+                f"own_row must be a contiguous float32 row of {received.shape[1]} elements, got {own_row.dtype} "
+                f"of shape {tuple(own_row.shape)}",
+            )
+        if own_row.device != received.device:
+            _fail(op, f"own_row is on {own_row.device}, received on {received.device}")
+        if not 0 <= own_rank < received.shape[0]:
+            _fail(op, f"own_rank {own_rank} is not a row of the {received.shape[0]} received")
     for index, (out, padded) in enumerate(zip(outs, padded_numels)):
         _check_float(op, f"outs[{index}]", out)
         _check_contiguous(op, f"outs[{index}]", out)
@@ -166,13 +178,17 @@ def quantized_all_gather_copy_out(
 
 @torch.library.custom_op("fsdp_compile::sum_rows_copy_out", mutates_args=("outs",))
 def sum_rows_copy_out(
-    received: torch.Tensor, padded_numels: list[int], outs: list[torch.Tensor], post_divide: float, accumulate: bool
+    received: torch.Tensor, padded_numels: list[int], outs: list[torch.Tensor], post_divide: float, accumulate: bool,
+    own_row: torch.Tensor | None = None, own_rank: int = 0,
 ) -> None:
     """Sum the ``[world, total]`` received chunks in float32 (rank order), divide, and write or add into N shard grads.
 
-    Example (the bf16-wire reduction: all-to-all of bf16 chunks, then this on each rank)::
+    ``own_row`` (float32, ``[total]``), when given, stands in for row ``own_rank``: this rank's
+    own chunk, which needs no wire and so no rounding.
 
-        torch.ops.fsdp_compile.sum_rows_copy_out(received_bf16, [6, 2], [w_grad, b_grad], 2.0, False)
+    Example (the bf16-wire reduction: all-to-all of bf16 chunks, then this on rank 1)::
+
+        torch.ops.fsdp_compile.sum_rows_copy_out(received_bf16, [6, 2], [w_grad, b_grad], 2.0, False, own_fp32, 1)
     """
-    check_sum_rows_copy_out(received, padded_numels, outs, post_divide, accumulate)
-    quantized_reference.sum_rows_copy_out(received, padded_numels, outs, post_divide, accumulate)
+    check_sum_rows_copy_out(received, padded_numels, outs, post_divide, accumulate, own_row, own_rank)
+    quantized_reference.sum_rows_copy_out(received, padded_numels, outs, post_divide, accumulate, own_row, own_rank)

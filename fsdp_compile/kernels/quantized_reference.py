@@ -147,11 +147,25 @@ def dequantize_blocks(
     return blocks.to(out_dtype).view(data.shape)
 
 
-def sum_rows(received: torch.Tensor) -> torch.Tensor:
-    """``received[0] + received[1] + ...`` in float32, in rank order (so every device adds alike). Pure."""
-    total = received[0].to(torch.float32)
-    for row in range(1, received.shape[0]):
-        total = total + received[row].to(torch.float32)
+def sum_rows(
+    received: torch.Tensor, own_row: torch.Tensor | None = None, own_rank: int | torch.Tensor = 0
+) -> torch.Tensor:
+    """``received[0] + received[1] + ...`` in float32, in rank order (so every device adds alike). Pure.
+
+    Given ``own_row`` (float32, ``received``'s row length), it stands in for row ``own_rank``: the
+    chunk this rank reduces of its own gradient never went on the wire, so it is summed unrounded
+    (see [Note: the gradient wire's own chunk] in collectives.py). A traced graph passes the rank
+    as a 0-d tensor, read when the graph runs, and the rows are then selected by ``torch.where``.
+    """
+    if own_row is None:
+        rows = [received[row] for row in range(received.shape[0])]
+    elif isinstance(own_rank, torch.Tensor):
+        rows = [torch.where(own_rank == row, own_row, received[row].to(torch.float32)) for row in range(received.shape[0])]
+    else:
+        rows = [own_row if row == own_rank else received[row] for row in range(received.shape[0])]
+    total = rows[0].to(torch.float32)
+    for row in rows[1:]:
+        total = total + row.to(torch.float32)
     return total
 
 
@@ -187,11 +201,13 @@ def quantized_all_gather_copy_out(
 
 
 def sum_rows_copy_out(
-    received: torch.Tensor, padded_numels: list[int], outs: list[torch.Tensor], post_divide: float, accumulate: bool
+    received: torch.Tensor, padded_numels: list[int], outs: list[torch.Tensor], post_divide: float, accumulate: bool,
+    own_row: torch.Tensor | None = None, own_rank: int = 0,
 ) -> None:
-    """Sum the received ``[world, total]`` rows in float32, then write them as ``reduce_scatter_copy_out``.
+    """Sum the received ``[world, total]`` rows in float32 (``own_row`` in place of row
+    ``own_rank`` when given), then write them as ``reduce_scatter_copy_out``.
 
     The divide happens in float32 (the sum's dtype), then the cast to each gradient's dtype,
     then the add when accumulating.
     """
-    reference.reduce_scatter_copy_out(sum_rows(received), padded_numels, outs, post_divide, accumulate)
+    reference.reduce_scatter_copy_out(sum_rows(received, own_row, own_rank), padded_numels, outs, post_divide, accumulate)

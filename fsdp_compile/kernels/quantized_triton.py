@@ -315,12 +315,15 @@ def _sum_rows_copy_out_kernel(
     metadata_ptr,
     num_params,
     received_ptr,
+    own_ptr,
+    own_rank,
     world,
     total,
     divisor,
     reciprocal,
     SRC: tl.constexpr,
     DST: tl.constexpr,
+    HAS_OWN: tl.constexpr,
     DIVIDE: tl.constexpr,
     BY_RECIPROCAL: tl.constexpr,
     ACCUMULATE: tl.constexpr,
@@ -330,8 +333,9 @@ def _sum_rows_copy_out_kernel(
 
     Grid ``(sum_i cdiv(numel_i, BLOCK),)``: program b handles elements ``[k, k + BLOCK)`` of
     gradient i, summing ``received[r, offset_i + k ...]`` over r = 0, 1, ... in float32 (row 0
-    starts the sum, so a lone -0.0 survives as in the reference). Then as
-    ``_reduce_scatter_copy_out_kernel`` with a float32 source: divide, cast, add.
+    starts the sum, so a lone -0.0 survives as in the reference); with HAS_OWN, the float32 row
+    ``own`` stands in for row ``own_rank``. Then as ``_reduce_scatter_copy_out_kernel`` with a
+    float32 source: divide, cast, add.
     """
     block_id = tl.program_id(0)
     param = _find_param(metadata_ptr + 4 * num_params, num_params, block_id)
@@ -344,9 +348,15 @@ def _sum_rows_copy_out_kernel(
     mask = columns < numel
     source = received_ptr + offset + columns
     summed = _bits_to_f32(_load_bits(source, mask, SRC), SRC)
-    for _ in range(1, world):
+    if HAS_OWN:
+        own = tl.load(own_ptr + offset + columns, mask=mask, other=0.0)
+        summed = tl.where(own_rank == 0, own, summed)
+    for row in range(1, world):
         source += total
-        summed += _bits_to_f32(_load_bits(source, mask, SRC), SRC)
+        value = _bits_to_f32(_load_bits(source, mask, SRC), SRC)
+        if HAS_OWN:
+            value = tl.where(own_rank == row, own, value)
+        summed += value
     bits = summed.to(tl.uint32, bitcast=True)
     if DIVIDE:
         bits = _divide_bits(bits, divisor, reciprocal, _FP32, BY_RECIPROCAL)
@@ -359,7 +369,8 @@ def _sum_rows_copy_out_kernel(
 
 
 def sum_rows_copy_out(
-    received: torch.Tensor, padded_numels: list[int], outs: list[torch.Tensor], post_divide: float, accumulate: bool
+    received: torch.Tensor, padded_numels: list[int], outs: list[torch.Tensor], post_divide: float, accumulate: bool,
+    own_row: torch.Tensor | None = None, own_rank: int = 0,
 ) -> None:
     """Triton version of ``quantized_reference.sum_rows_copy_out``: cast, sum, divide and write in one launch.
 
@@ -368,7 +379,7 @@ def sum_rows_copy_out(
         received = torch.randn(4, 8, device="cuda").bfloat16()   # world 4, padded sizes 6 and 2
         sum_rows_copy_out(received, [6, 2], [w_grad, b_grad], post_divide=4.0, accumulate=False)
     """
-    quantized.check_sum_rows_copy_out(received, padded_numels, outs, post_divide, accumulate)
+    quantized.check_sum_rows_copy_out(received, padded_numels, outs, post_divide, accumulate, own_row, own_rank)
     op = "sum_rows_copy_out"
     src = _common_dtype(op, "received", [received])
     dst = _common_dtype(op, "outs", outs)
@@ -383,12 +394,15 @@ def sum_rows_copy_out(
         metadata,
         len(outs),
         received.view(_WORD_DTYPE[src]),
+        own_row if own_row is not None else torch.empty(0, dtype=torch.float32, device=received.device),
+        own_rank,
         world,
         total,
         divisor,
         reciprocal,
         SRC=_DTYPE_CODES[src],
         DST=_DTYPE_CODES[dst],
+        HAS_OWN=own_row is not None,
         DIVIDE=post_divide != 1.0,
         BY_RECIPROCAL=received.device.type == "cuda",
         ACCUMULATE=bool(accumulate),
@@ -458,13 +472,15 @@ def _cuda_quantized_all_gather_copy_out(
 
 
 def _cuda_sum_rows_copy_out(
-    received: torch.Tensor, padded_numels: list[int], outs: list[torch.Tensor], post_divide: float, accumulate: bool
+    received: torch.Tensor, padded_numels: list[int], outs: list[torch.Tensor], post_divide: float, accumulate: bool,
+    own_row: torch.Tensor | None = None, own_rank: int = 0,
 ) -> None:
+    args = (received, padded_numels, outs, post_divide, accumulate, own_row, own_rank)
     if _single_supported_dtype([received]) and _single_supported_dtype(outs):
-        sum_rows_copy_out(received, padded_numels, outs, post_divide, accumulate)
+        sum_rows_copy_out(*args)
     else:
-        quantized.check_sum_rows_copy_out(received, padded_numels, outs, post_divide, accumulate)
-        quantized_reference.sum_rows_copy_out(received, padded_numels, outs, post_divide, accumulate)
+        quantized.check_sum_rows_copy_out(*args)
+        quantized_reference.sum_rows_copy_out(*args)
 
 
 def register_cuda_kernels() -> bool:
