@@ -131,15 +131,16 @@ def _gradient_wire() -> dict:
         out[name] = (grad.double() - exact).abs().max().item()
         out[f"{name}_vs_rounded_sum"] = (grad - rounded_sum).abs().max().item()
         out[f"{name}_bytes"] = [(r.kind, str(r.dtype), r.nbytes) for r in reduce_scatters]
-    compiled, _ = _reduced(contributions[rank], "fsdp_inductor", comm_policy=CommPolicy(reduce_wire_dtype=torch.bfloat16))
-    out["compiled_wire_vs_rounded_sum"] = (compiled - rounded_sum).abs().max().item()
+    if world == 2:  # the compiled rank selection (first and last row) once: a compile at 4 ranks costs 6 s
+        compiled, _ = _reduced(contributions[rank], "fsdp_inductor", comm_policy=CommPolicy(reduce_wire_dtype=torch.bfloat16))
+        out["compiled_wire_vs_rounded_sum"] = (compiled - rounded_sum).abs().max().item()
     return out
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_bf16_wire_is_the_float32_sum_of_the_wire_rounded_gradients_and_beats_a_bf16_reduce_scatter(dist, world):
     result = dist.run(world, _gradient_wire)[0]
-    assert result["wire_vs_rounded_sum"] == result["compiled_wire_vs_rounded_sum"] == 0.0, result
+    assert result["wire_vs_rounded_sum"] == result.get("compiled_wire_vs_rounded_sum", 0.0) == 0.0, result
     assert result["wire_bytes"] == [("reduce_scatter", "torch.bfloat16", 8192 * 2)]
     # The bf16 reduce-scatter rounds every contribution and then its sums; the wire rounds only
     # the contributions that travel.
