@@ -394,7 +394,9 @@ def sum_rows_copy_out(
         metadata,
         len(outs),
         received.view(_WORD_DTYPE[src]),
-        own_row if own_row is not None else torch.empty(0, dtype=torch.float32, device=received.device),
+        # Without an own row the kernel never reads this pointer; a valid one (not an empty
+        # tensor's null) keeps the launcher's pointer check on CUDA satisfied.
+        own_row if own_row is not None else received,
         own_rank,
         world,
         total,
