@@ -357,9 +357,9 @@ def issue_reduce_scatter(
 # The result is the float32 sum, in rank order, of the other ranks' wire-rounded chunks and this
 # rank's unrounded one. That is one rounding fewer than "round every contribution": measured max
 # error against a float64 mean, 0.44x of a bf16 reduce-scatter's at world 2 (0.56x when the own
-# chunk was rounded too) and 0.30x at world 4 (test_comm_policy). The eager copy-out takes the own chunk as
-# ``sum_rows_copy_out``'s ``own_row``; the traced reduction (traceable.py) selects it with the
-# rank read at run time, so the graph stays the same on every rank.
+# chunk was rounded too) and 0.30x at world 4 (test_comm_policy). The eager copy-out takes the own
+# chunk as ``sum_rows_copy_out``'s ``own_row``; the traced reduction (traceable.py) selects it
+# with the rank read at run time, so the graph stays the same on every rank.
 
 
 def _own_chunks_in_float32(grads: list[torch.Tensor], padded_numels: list[int], rank: int, spec: ReduceSpec) -> torch.Tensor:
