@@ -1,9 +1,9 @@
 """CommPolicy: what goes on the wire, tested by the bytes it moves and the numbers it gives.
 
 Block-quantized all-gathers (int8, fp8 e4m3) reproduce the kernels' quantize / dequantize exactly,
-eager and compiled; the bf16 gradient wire sums in float32 (exactly the float32 sum of the rounded
-contributions) and loses less than a bf16 reduce-scatter (nothing at all on bf16 gradients); bad
-policies fail at ``fully_shard``.
+eager and compiled; the bf16 gradient wire sums in float32 (exactly the float32 sum of the other
+ranks' rounded contributions and a rank's own unrounded one) and loses less than a bf16
+reduce-scatter (nothing at all on bf16 gradients); bad policies fail at ``fully_shard``.
 """
 from __future__ import annotations
 
@@ -112,16 +112,22 @@ def _reduced(contribution: torch.Tensor, backend: str | None = None, **fully_sha
     return model.weight.grad.full_tensor(), [r for r in log if r.kind == "reduce_scatter"]
 
 
+def _own_chunk_reference(contributions: list[torch.Tensor], world: int) -> torch.Tensor:
+    """The wire's result for one parameter: rank k sums dim-0 chunk k, its own contribution
+    unrounded and the others as bf16, in rank order, then divides by the world size."""
+    chunks = [c.tensor_split([(k + 1) * -(-c.shape[0] // world) for k in range(world - 1)]) for c in contributions]
+    return torch.cat([
+        sum(chunk[k] if r == k else chunk[k].bfloat16().float() for r, chunk in enumerate(chunks)) / world
+        for k in range(world)
+    ])
+
+
 def _gradient_wire() -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     contributions = _contributions(world)
     exact = sum(c.double() for c in contributions) / world
-    # Rank k sums chunk k of every contribution in float32, in rank order: the others' as they came
-    # over the bf16 wire, its own unrounded (see [Note: the gradient wire's own chunk]).
-    rounded_sum = torch.cat([
-        sum(c.chunk(world)[k] if r == k else c.chunk(world)[k].bfloat16().float() for r, c in enumerate(contributions))
-        for k in range(world)
-    ]) / world
+    # See [Note: the gradient wire's own chunk].
+    rounded_sum = _own_chunk_reference(contributions, world)
     out = {}
     for name, kwargs in (
         ("wire", {"comm_policy": CommPolicy(reduce_wire_dtype=torch.bfloat16)}),
@@ -145,6 +151,38 @@ def test_bf16_wire_is_the_float32_sum_of_the_wire_rounded_gradients_and_beats_a_
     # The bf16 reduce-scatter rounds every contribution and then its sums; the wire rounds only
     # the contributions that travel.
     assert result["wire"] <= 0.5 * result["bf16_reduce_scatter"], result
+
+
+class _Uneven(nn.Module):
+    """Two parameters whose dim 0 does not divide by 4: at world 4 the last rank's chunk of ``a`` is
+    short and it holds nothing of ``b``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Parameter(torch.zeros(2047, 3)), nn.Parameter(torch.zeros(3))
+
+    def forward(self, ca: torch.Tensor, cb: torch.Tensor) -> torch.Tensor:
+        return (self.a * ca).sum() + (self.b * cb).sum()
+
+
+def _uneven_gradient_wire() -> dict:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    generator = torch.Generator().manual_seed(11)
+    contributions_a = [torch.randn(2047, 3, generator=generator) * (1 + r) for r in range(world)]
+    contributions_b = [torch.randn(3, generator=generator) for _ in range(world)]
+    model = _Uneven()
+    fully_shard(model, comm_policy=CommPolicy(reduce_wire_dtype=torch.bfloat16))
+    for _ in range(2):  # the second step adds to the sharded gradients
+        model(contributions_a[rank], contributions_b[rank]).backward()
+    return {
+        name: (param.grad.full_tensor() - 2 * _own_chunk_reference(contributions, world)).abs().max().item()
+        for name, param, contributions in (("a", model.a, contributions_a), ("b", model.b, contributions_b))
+    }
+
+
+def test_bf16_wire_sums_uneven_shards_with_each_ranks_own_chunk_unrounded(dist):
+    result = dist.run(4, _uneven_gradient_wire)[0]
+    assert result == {"a": 0.0, "b": 0.0}, result
 
 
 def _bf16_gradient_wire() -> dict:
