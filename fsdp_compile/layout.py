@@ -16,7 +16,7 @@ the rank-major concatenation of the blocks cut to ``S[d]`` rows. Sharding on ``d
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -31,16 +31,14 @@ class ShardLayout:
     dim: int
     world_size: int
     rank: int
+    # Derived once: every traced parameter read asks for them, and Dynamo traces each computation.
+    size: int = field(init=False, repr=False, compare=False)  # length of the sharded dim
+    chunk: int = field(init=False, repr=False, compare=False)  # rows per rank after padding
 
-    @property
-    def size(self) -> int:
-        """Length of the sharded dim."""
-        return self.shape[self.dim]
-
-    @property
-    def chunk(self) -> int:
-        """Rows (along the sharded dim) per rank after padding."""
-        return math.ceil(self.size / self.world_size) if self.size else 0
+    def __post_init__(self) -> None:
+        size = self.shape[self.dim]
+        object.__setattr__(self, "size", size)
+        object.__setattr__(self, "chunk", math.ceil(size / self.world_size) if size else 0)
 
     def start(self, rank: int | None = None) -> int:
         return min((self.rank if rank is None else rank) * self.chunk, self.size)

@@ -56,7 +56,8 @@ def trace_annotation(group: str, fqn: str, reshard_after_forward: bool, state_to
 
 def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     """``tensor`` with ``rows`` zero rows appended on dim 0 (an op even when ``rows`` is 0)."""
-    return F.pad(tensor, [0, 0] * (tensor.dim() - 1) + [0, rows])
+    # constant_pad_nd, the op F.pad lowers to: Dynamo traces F.pad's Python wrapper at every read.
+    return torch.constant_pad_nd(tensor, [0, 0] * (tensor.dim() - 1) + [0, rows])
 
 
 def _gather(
