@@ -300,8 +300,9 @@ class PendingReduceScatter:
     label: str
     event: Any
     keep_alive: list[torch.Tensor] = field(default_factory=list)
-    # The gradient wire's float32 own chunk, which stands in for row ``group.shard_rank`` of ``output``.
+    # The gradient wire's float32 own chunk, which stands in for row ``own_rank`` of ``output``.
     own_row: torch.Tensor | None = None
+    own_rank: int = 0
 
     def wait(self, comm: CommContext) -> torch.Tensor:
         _wait(self.work, "reduce-scatter", self.label)
@@ -328,7 +329,7 @@ def issue_reduce_scatter(
     with handle.on_stream(stream, "reduce_scatter_copy_in"):
         reduce_input = _allocate(custom, (world_size, total), spec.reduce_input_dtype, comm.device)
         ops.reduce_scatter_copy_in(grads, padded_numels, reduce_input, spec.pre_divide)
-        own_row = None if spec.wire_dtype is None else _own_chunks_in_float32(grads, padded_numels, group.shard_rank, spec)
+        own_row = None if spec.wire_dtype is None else _own_chunks_in_float32(grads, padded_numels, group.shard_rank, spec.pre_divide)
         for grad in grads:
             # The compute stream frees these grads once we return; the copy-in may still read them.
             handle.keep_alive(grad, stream)
@@ -362,11 +363,11 @@ def issue_reduce_scatter(
 # with the rank read at run time, so the graph stays the same on every rank.
 
 
-def _own_chunks_in_float32(grads: list[torch.Tensor], padded_numels: list[int], rank: int, spec: ReduceSpec) -> torch.Tensor:
+def _own_chunks_in_float32(grads: list[torch.Tensor], padded_numels: list[int], rank: int, pre_divide: float) -> torch.Tensor:
     """This rank's chunk of each gradient, laid out as one row of the wire's copy-in, in float32."""
     chunks = [grad.reshape(-1)[rank * padded : (rank + 1) * padded] for grad, padded in zip(grads, padded_numels)]
     own_row = torch.empty((1, sum(padded_numels)), dtype=torch.float32, device=grads[0].device)
-    ops.reduce_scatter_copy_in(chunks, padded_numels, own_row, spec.pre_divide)
+    ops.reduce_scatter_copy_in(chunks, padded_numels, own_row, pre_divide)
     return own_row.view(-1)
 
 
@@ -386,7 +387,9 @@ def _issue_wire_reduction(
             except Exception as error:  # noqa: BLE001
                 _raise_collective_error("all-to-all (gradient wire)", label, error)
         event = handle.record_event(stream, "reduce_scatter")
-    return PendingReduceScatter(work, received, label, event, keep_alive=[reduce_input], own_row=own_row)
+    return PendingReduceScatter(
+        work, received, label, event, keep_alive=[reduce_input], own_row=own_row, own_rank=group.shard_rank
+    )
 
 
 @dataclass

@@ -304,9 +304,9 @@ class FSDPParamGroup:
         assert self._reduction_in_flight is not None, f"group '{self.label}' has no reduction in flight"
         pending, params = self._reduction_in_flight
         self._reduction_in_flight = None
-        reduced, own_row = pending.wait(self.comm), pending.own_row
+        reduced = pending.wait(self.comm)
         spec = self.reduce_spec
-        own = {} if own_row is None else {"own_row": own_row, "own_rank": self.mesh_info.shard_rank}
+        own = {} if pending.own_row is None else {"own_row": pending.own_row, "own_rank": pending.own_rank}
         padded = [p.padded_shard_numel for p in params]
         hybrid = self.mesh_info.replicate_group is not None
         if reduced.dim() == 2 and (hybrid or self.all_reduce_hook is not None):

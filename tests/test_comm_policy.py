@@ -146,7 +146,9 @@ def _gradient_wire() -> dict:
 @pytest.mark.parametrize("world", [2, 4])
 def test_bf16_wire_is_the_float32_sum_of_the_wire_rounded_gradients_and_beats_a_bf16_reduce_scatter(dist, world):
     result = dist.run(world, _gradient_wire)[0]
-    assert result["wire_vs_rounded_sum"] == result.get("compiled_wire_vs_rounded_sum", 0.0) == 0.0, result
+    assert result["wire_vs_rounded_sum"] == 0.0, result
+    if world == 2:  # compiled there only (see _gradient_wire)
+        assert result["compiled_wire_vs_rounded_sum"] == 0.0, result
     assert result["wire_bytes"] == [("reduce_scatter", "torch.bfloat16", 8192 * 2)]
     # The bf16 reduce-scatter rounds every contribution and then its sums; the wire rounds only
     # the contributions that travel.
