@@ -19,8 +19,9 @@ MODES = ("ours-eager", "ours-compiled", "ours-fallback", "torch-eager", "torch-b
 # ours-compiled with some graph passes off, for a before/after-passes table from one run
 # (--pass-ablation adds them; --modes may name them).
 PASS_ABLATION_MODES = ("ours-compiled-bucket", "ours-compiled-nopasses")
-# --compile-scaling: the two ways users compile our FSDP model and PyTorch's per-block recipe.
-SCALING_MODES = ("ours-compiled", "ours-blockcompile", "torch-blockcompile")
+# --compile-scaling: the three ways users compile our FSDP model (whole model with the collectives
+# in the graph, per block, whole model with the hooks eager) and PyTorch's two (per block, whole model).
+SCALING_MODES = ("ours-compiled", "ours-blockcompile", "ours-fallback", "torch-blockcompile", "torch-compiled")
 SCALING_LAYERS = (2, 8, 16, 32)
 BASELINE_SPEED = "torch-eager"
 BASELINE_LOSS = "ours-eager"
@@ -75,6 +76,9 @@ modes (all run in one process per rank, interleaved step by step: A B C A B C ..
   torch-eager         torch.distributed.fsdp.fully_shard per block + root, eager
   torch-blockcompile  torch.compile(block, fullgraph=True) per block, then PyTorch's
                       fully_shard per block + root (torchtitan's default)
+  torch-compiled      PyTorch's fully_shard per block + root, then torch.compile(model): Dynamo
+                      breaks the graph at FSDP2's hooks and compiles each block's forward as a
+                      frame of its own, the hooks eager around it (not in the default set)
   with --pass-ablation, also:
   ours-compiled-bucket    ours-compiled with PassConfig(reorder=False): one collective per
                           group, each waited on at once

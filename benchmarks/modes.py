@@ -1,5 +1,5 @@
 """The ways to train the same model: ours (eager, compiled, fallback; compiled with passes off) and
-PyTorch FSDP2's (eager, per-block compile).
+PyTorch FSDP2's (eager, per-block compile, whole-model compile).
 
 Every builder starts from the same seed, so every mode holds the same initial weights.
 """
@@ -33,7 +33,7 @@ _PASSES = {
     "ours-compiled-nopasses": PassConfig(bucket=False, reorder=False),
     **{name: PassConfig() for name in COMM_POLICY_MODES if name.startswith("ours-compiled-")},
 }
-COMPILED = frozenset({"ours-fallback", "ours-blockcompile", "torch-blockcompile", *_PASSES})
+COMPILED = frozenset({"ours-fallback", "ours-blockcompile", "torch-blockcompile", "torch-compiled", *_PASSES})
 
 
 @dataclass
@@ -132,7 +132,7 @@ def build_mode(name: str, config: TransformerConfig, device: torch.device, seed:
             # The FSDP hooks run eagerly between compiled regions; the flag is on only during this mode's steps.
             step_context = _skip_fsdp_hooks
             runnable = torch.compile(model, backend="inductor")
-    elif name in ("torch-eager", "torch-blockcompile"):
+    elif name in ("torch-eager", "torch-blockcompile", "torch-compiled"):
         from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
         if name == "torch-blockcompile":
@@ -141,6 +141,11 @@ def build_mode(name: str, config: TransformerConfig, device: torch.device, seed:
             for index, block in model.layers.named_children():
                 model.layers.register_module(index, torch.compile(block, fullgraph=True))
         _shard(model, torch_fully_shard, _torch_policy(bf16), **mesh)
+        if name == "torch-compiled":
+            # torch.compile on the whole FSDP2 model. FSDP2's hooks are torch.compiler.disable'd:
+            # Dynamo breaks the graph at each one, and each block's forward compiles as a frame of
+            # its own with the hooks (and all collectives) eager around it.
+            runnable = torch.compile(model, backend="inductor")
     else:
         raise ValueError(f"unknown mode {name!r}")
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
