@@ -88,3 +88,32 @@ def test_torch_eager_loss_matches_ours_eager(run):
     for name, figures in modes.items():
         # Compiled modes reorder float math; they still train the same model.
         assert figures["loss_max_rel_diff"] <= 1e-3, (name, figures["loss_max_rel_diff"])
+
+
+def test_scaling_targets_divide_each_of_our_modes_that_ran_by_torchs_figures():
+    """--compile-scaling's target lines, from made-up figures (no run): each of ours that ran, over
+    torch-blockcompile at 16 layers and over itself at 2 layers; a mode that failed gets a dash;
+    ours-compiled over torch-compiled once both whole-model modes ran; no line for a mode not run."""
+    from benchmarks.scaling import _target_lines
+
+    def result(figures: tuple[float, float] | None) -> dict:
+        if figures is None:
+            return {"status": "unavailable: failed to compile"}
+        return {"status": "ok", "compile_cold_s": figures[0], "step_ms_median": figures[1]}
+
+    def phase(figures: dict[str, tuple[float, float] | None]) -> dict:
+        modes = {mode: result(value) for mode, value in figures.items()}
+        return {"cold": {"modes": modes}, "warm": {"modes": modes}}
+
+    runs = {
+        2: phase({"ours-compiled": (10.0, 1.0), "ours-fallback": None, "torch-blockcompile": (8.0, 1.0)}),
+        16: phase({"ours-compiled": (24.0, 9.0), "ours-fallback": None, "torch-blockcompile": (8.0, 10.0), "torch-compiled": (12.0, 10.0)}),
+        32: phase({"ours-compiled": (40.0, 18.0), "ours-fallback": None, "torch-blockcompile": (8.0, 20.0)}),
+    }
+    lines = _target_lines(runs)
+    assert "- cold compile at 16 layers, ours-compiled / torch-blockcompile: 3.00x (target <= 1.5x)" in lines
+    assert "- step time at 16 layers, ours-compiled / torch-blockcompile: 0.90x (target <= 1.0x)" in lines
+    assert "- cold compile at 16 layers, ours-compiled / torch-compiled (both whole model): 2.00x" in lines
+    assert "- cold compile of ours-compiled, 32 layers / 2 layers: 4.00x (target <= 1.3x)" in lines
+    assert "- cold compile at 16 layers, ours-fallback / torch-blockcompile: — (target <= 1.5x)" in lines
+    assert not any("ours-blockcompile" in line for line in lines)
