@@ -4,6 +4,7 @@ whole-model form compiles a block's body once (a nested compile region) and, for
 block, gathers its parameters again in backward instead of saving them."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import operator
@@ -177,6 +178,29 @@ def _region_inputs_saved(forward, parameters_only: bool = False) -> int:
     return passed_through
 
 
+@contextlib.contextmanager
+def _pytree_fingerprints_counted():
+    """Counts the region calls whose inputs Dynamo flattened by tracing pytree (its slow path; see
+    [Note: a block region's flat arguments]), in a list of one count; [None] on a torch without it."""
+    from torch._dynamo.variables import invoke_subgraph as dynamo_invoke_subgraph
+
+    slow_path = getattr(dynamo_invoke_subgraph, "build_fingerprint_with_pytree", None)
+    if slow_path is None:
+        yield [None]
+        return
+    count = [0]
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return slow_path(*args, **kwargs)
+
+    dynamo_invoke_subgraph.build_fingerprint_with_pytree = counted
+    try:
+        yield count
+    finally:
+        dynamo_invoke_subgraph.build_fingerprint_with_pytree = slow_path
+
+
 def _whole_model_regions(layers: int, backend: str, reshard_blocks: bool, tiny: bool = False, seqs: tuple[int, ...] = (12, 12)):
     """One training step per sequence length in ``seqs``; the graphs looked at are the last
     compile's (the recompile with symbolic sizes, where ``seqs`` differ)."""
@@ -187,7 +211,7 @@ def _whole_model_regions(layers: int, backend: str, reshard_blocks: bool, tiny: 
     compiled = _shard(copy.deepcopy(reference), MixedPrecisionPolicy(), reshard_blocks=reshard_blocks)
     body_traces_before = len(compilation_time_metrics.get("invoke_subgraph_trace", []))
     pass_counters.clear()
-    with observe_graphs() as graphs:
+    with observe_graphs() as graphs, _pytree_fingerprints_counted() as pytree_fingerprints:
         compiled_losses = _train(torch.compile(compiled, backend=backend), len(seqs), seqs=seqs)
     eager_losses = _train(eager, len(seqs), seqs=seqs)
     invoke = torch.ops.higher_order.invoke_subgraph
@@ -211,6 +235,7 @@ def _whole_model_regions(layers: int, backend: str, reshard_blocks: bool, tiny: 
         # Dynamo's traces of a region body (each later block stamps out the traced one).
         "dynamo_body_traces": len(compilation_time_metrics.get("invoke_subgraph_trace", [])) - body_traces_before,
         "distinct_bodies": len(bodies),
+        "pytree_fingerprints": pytree_fingerprints,
         "all_gathers_before_first_region": sum("all_gather" in str(n.target) for n in order[:first_region]),
         "eager_losses": eager_losses,
         "compiled_losses": compiled_losses,
@@ -228,6 +253,8 @@ def test_whole_model_compiles_a_block_body_once(dist, layers, reshard_blocks):
     assert result["distinct_bodies"] <= 2, result
     # Dynamo traces the body once: every later block stamps it out (invoke_subgraph's reuse).
     assert result["dynamo_body_traces"] == 1, result
+    # Blocks called with positional tensors enter the flat region: no input flattened through pytree.
+    assert result["pytree_fingerprints"] in ([0], [None]), result
     # Bucketed per group: the root's, block 0's and block 1's all-gathers go out before block 0 runs.
     assert result["all_gathers_before_first_region"] == 3, result
     if reshard_blocks:
