@@ -262,7 +262,7 @@ def _compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], pa
         # See [Note: Inductor's buffer reuse across nested regions].
         config_patches["allow_buffer_reuse"] = False
     _add_traced_op_to_inductors_decompositions()
-    with _said_when_dynamo_falls_back("fsdp_inductor"):
+    with _said_when_dynamo_falls_back("fsdp_inductor"), _region_schemas_kept():
         return compile_fx(gm, example_inputs, config_patches=config_patches)
 
 
@@ -349,7 +349,7 @@ def fsdp_aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: 
 
         return compiler
 
-    with _said_when_dynamo_falls_back("fsdp_aot_eager"):
+    with _said_when_dynamo_falls_back("fsdp_aot_eager"), _region_schemas_kept():
         return aot_module_simplified(
             gm, example_inputs, fw_compiler=run_eagerly("forward"), bw_compiler=run_eagerly("backward"), partition_fn=partition,
             decompositions=TRACED_OP_DECOMPOSITIONS,
@@ -388,6 +388,61 @@ def _key_device_meshes_by_identity() -> None:
     pickler._reduce_fake_script_object = reduce
 
 
+# [Note: a region body's schema, once per compile]
+# While AOTAutograd traces the joint graph, the autograd step of every nested compile region's call
+# (torch._ops' ``maybe_run_autograd`` for invoke_subgraph) asks the HOP for its schema, only to
+# refuse a body that writes to its inputs, and each ask traces the body again
+# (``materialize_as_graph``): 50 asks, 2.9 s of a 16-layer benchmark model's cold compile here,
+# growing with depth, for two bodies. While our backends compile, an answer is kept per body object,
+# identifier and operands' metadata (shape, strides, dtype, device, requires_grad): within one trace
+# every call of a body passes the same object, and its schema (argument kinds, written inputs) follows
+# from the body and the operands' types, not their values. The kept answers go with the compile.
+_kept_region_schemas: dict[tuple, tuple[Any, Any]] | None = None
+
+
+def _operand_key(operand: Any) -> Any:
+    if isinstance(operand, torch.Tensor):
+        return (type(operand), tuple(operand.shape), tuple(operand.stride()), operand.dtype, operand.device, operand.requires_grad)
+    if isinstance(operand, (bool, int, float, str, type(None))):
+        return (type(operand), operand)
+    return (type(operand), id(operand))  # a SymInt or an opaque object: the same one only
+
+
+@contextlib.contextmanager
+def _region_schemas_kept() -> Iterator[None]:
+    global _kept_region_schemas
+    outer = _kept_region_schemas
+    _kept_region_schemas = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _kept_region_schemas = outer
+
+
+def _keep_region_schemas() -> None:
+    """Wrap invoke_subgraph's ``gen_schema`` (once per process; a no-op on a torch without it)."""
+    try:
+        from torch._higher_order_ops.invoke_subgraph import InvokeSubgraphHOP
+    except ImportError:
+        return
+    generate = getattr(InvokeSubgraphHOP, "gen_schema", None)
+    if generate is None or getattr(generate, "_fsdp_compile_kept", False):
+        return
+
+    def gen_schema(self: Any, subgraph: Any, identifier: Any, *operands: Any) -> Any:
+        kept = _kept_region_schemas
+        if kept is None:
+            return generate(self, subgraph, identifier, *operands)
+        key = (id(subgraph), identifier, tuple(_operand_key(operand) for operand in operands))
+        entry = kept.get(key)
+        if entry is None or entry[0] is not subgraph:  # the body held in the entry keeps its id unique
+            entry = kept[key] = (subgraph, generate(self, subgraph, identifier, *operands))
+        return entry[1]
+
+    gen_schema._fsdp_compile_kept = True  # type: ignore[attr-defined]
+    InvokeSubgraphHOP.gen_schema = gen_schema
+
+
 def _register() -> None:
     from torch._dynamo.backends.registry import _BACKENDS, register_backend
 
@@ -395,6 +450,7 @@ def _register() -> None:
         if name not in _BACKENDS:
             register_backend(name=name)(backend)
     _key_device_meshes_by_identity()
+    _keep_region_schemas()
 
 
 _register()

@@ -201,6 +201,26 @@ def _pytree_fingerprints_counted():
         dynamo_invoke_subgraph.build_fingerprint_with_pytree = slow_path
 
 
+@contextlib.contextmanager
+def _body_retraces_counted():
+    """Counts torch's re-traces of a region body (``materialize_as_graph``), which AOTAutograd asks
+    for at each region call ([Note: a region body's schema, once per compile] in backend.py)."""
+    from torch._higher_order_ops import utils as hop_utils
+
+    materialize = hop_utils.materialize_as_graph
+    count = [0]
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return materialize(*args, **kwargs)
+
+    hop_utils.materialize_as_graph = counted
+    try:
+        yield count
+    finally:
+        hop_utils.materialize_as_graph = materialize
+
+
 def _whole_model_regions(layers: int, backend: str, reshard_blocks: bool, tiny: bool = False, seqs: tuple[int, ...] = (12, 12)):
     """One training step per sequence length in ``seqs``; the graphs looked at are the last
     compile's (the recompile with symbolic sizes, where ``seqs`` differ)."""
@@ -211,7 +231,7 @@ def _whole_model_regions(layers: int, backend: str, reshard_blocks: bool, tiny: 
     compiled = _shard(copy.deepcopy(reference), MixedPrecisionPolicy(), reshard_blocks=reshard_blocks)
     body_traces_before = len(compilation_time_metrics.get("invoke_subgraph_trace", []))
     pass_counters.clear()
-    with observe_graphs() as graphs, _pytree_fingerprints_counted() as pytree_fingerprints:
+    with observe_graphs() as graphs, _pytree_fingerprints_counted() as pytree_fingerprints, _body_retraces_counted() as body_retraces:
         compiled_losses = _train(torch.compile(compiled, backend=backend), len(seqs), seqs=seqs)
     eager_losses = _train(eager, len(seqs), seqs=seqs)
     invoke = torch.ops.higher_order.invoke_subgraph
@@ -236,6 +256,7 @@ def _whole_model_regions(layers: int, backend: str, reshard_blocks: bool, tiny: 
         "dynamo_body_traces": len(compilation_time_metrics.get("invoke_subgraph_trace", [])) - body_traces_before,
         "distinct_bodies": len(bodies),
         "pytree_fingerprints": pytree_fingerprints,
+        "body_retraces": body_retraces,
         "all_gathers_before_first_region": sum("all_gather" in str(n.target) for n in order[:first_region]),
         "eager_losses": eager_losses,
         "compiled_losses": compiled_losses,
@@ -255,6 +276,8 @@ def test_whole_model_compiles_a_block_body_once(dist, layers, reshard_blocks):
     assert result["dynamo_body_traces"] == 1, result
     # Blocks called with positional tensors enter the flat region: no input flattened through pytree.
     assert result["pytree_fingerprints"] in ([0], [None]), result
+    # A body is re-traced for its schema once per compile, not at each of the twelve calls.
+    assert result["body_retraces"][0] <= 4, result
     # Bucketed per group: the root's, block 0's and block 1's all-gathers go out before block 0 runs.
     assert result["all_gathers_before_first_region"] == 3, result
     if reshard_blocks:
