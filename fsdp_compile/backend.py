@@ -397,12 +397,18 @@ def _key_device_meshes_by_identity() -> None:
 # identifier and operands' metadata (shape, strides, dtype, device, requires_grad): within one trace
 # every call of a body passes the same object, and its schema (argument kinds, written inputs) follows
 # from the body and the operands' types, not their values. The kept answers go with the compile.
+# Operands of symbolic sizes are not kept (a region then takes them only after a recompile with a
+# new shape, where each block's body is traced on its own anyway).
 _kept_region_schemas: dict[tuple, tuple[Any, Any]] | None = None
 
 
 def _operand_key(operand: Any) -> Any:
+    """What an operand's schema depends on, hashable; None where it has symbolic sizes (not kept)."""
     if isinstance(operand, torch.Tensor):
-        return (type(operand), tuple(operand.shape), tuple(operand.stride()), operand.dtype, operand.device, operand.requires_grad)
+        sizes = (*operand.shape, *operand.stride())
+        if any(isinstance(size, torch.SymInt) for size in sizes):
+            return None
+        return (type(operand), sizes, operand.dtype, operand.device, operand.requires_grad)
     if isinstance(operand, (bool, int, float, str, type(None))):
         return (type(operand), operand)
     return (type(operand), id(operand))  # a SymInt or an opaque object: the same one only
@@ -431,9 +437,10 @@ def _keep_region_schemas() -> None:
 
     def gen_schema(self: Any, subgraph: Any, identifier: Any, *operands: Any) -> Any:
         kept = _kept_region_schemas
-        if kept is None:
+        operand_keys = tuple(_operand_key(operand) for operand in operands) if kept is not None else (None,)
+        if kept is None or None in operand_keys:
             return generate(self, subgraph, identifier, *operands)
-        key = (id(subgraph), identifier, tuple(_operand_key(operand) for operand in operands))
+        key = (id(subgraph), identifier, operand_keys)
         entry = kept.get(key)
         if entry is None or entry[0] is not subgraph:  # the body held in the entry keeps its id unique
             entry = kept[key] = (subgraph, generate(self, subgraph, identifier, *operands))
