@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 import os
 import operator
 import warnings
@@ -179,46 +180,28 @@ def _region_inputs_saved(forward, parameters_only: bool = False) -> int:
 
 
 @contextlib.contextmanager
-def _pytree_fingerprints_counted():
-    """Counts the region calls whose inputs Dynamo flattened by tracing pytree (its slow path; see
-    [Note: a block region's flat arguments]), in a list of one count; [None] on a torch without it."""
-    from torch._dynamo.variables import invoke_subgraph as dynamo_invoke_subgraph
-
-    slow_path = getattr(dynamo_invoke_subgraph, "build_fingerprint_with_pytree", None)
-    if slow_path is None:
+def _calls_counted(module_name: str, name: str):
+    """Counts calls of ``<module_name>.<name>`` (torch looks it up by name at each call) while open,
+    in a list of one count; [None] on a torch without it."""
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        module = None
+    original = getattr(module, name, None)
+    if original is None:
         yield [None]
         return
     count = [0]
 
     def counted(*args, **kwargs):
         count[0] += 1
-        return slow_path(*args, **kwargs)
+        return original(*args, **kwargs)
 
-    dynamo_invoke_subgraph.build_fingerprint_with_pytree = counted
+    setattr(module, name, counted)
     try:
         yield count
     finally:
-        dynamo_invoke_subgraph.build_fingerprint_with_pytree = slow_path
-
-
-@contextlib.contextmanager
-def _body_retraces_counted():
-    """Counts torch's re-traces of a region body (``materialize_as_graph``), which AOTAutograd asks
-    for at each region call ([Note: a region body's schema, once per compile] in backend.py)."""
-    from torch._higher_order_ops import utils as hop_utils
-
-    materialize = hop_utils.materialize_as_graph
-    count = [0]
-
-    def counted(*args, **kwargs):
-        count[0] += 1
-        return materialize(*args, **kwargs)
-
-    hop_utils.materialize_as_graph = counted
-    try:
-        yield count
-    finally:
-        hop_utils.materialize_as_graph = materialize
+        setattr(module, name, original)
 
 
 def _whole_model_regions(layers: int, backend: str, reshard_blocks: bool, tiny: bool = False, seqs: tuple[int, ...] = (12, 12)):
@@ -231,7 +214,14 @@ def _whole_model_regions(layers: int, backend: str, reshard_blocks: bool, tiny: 
     compiled = _shard(copy.deepcopy(reference), MixedPrecisionPolicy(), reshard_blocks=reshard_blocks)
     body_traces_before = len(compilation_time_metrics.get("invoke_subgraph_trace", []))
     pass_counters.clear()
-    with observe_graphs() as graphs, _pytree_fingerprints_counted() as pytree_fingerprints, _body_retraces_counted() as body_retraces:
+    with (
+        observe_graphs() as graphs,
+        # Region calls whose inputs Dynamo flattened by tracing pytree, its slow path
+        # ([Note: a block region's flat arguments] in module.py).
+        _calls_counted("torch._dynamo.variables.invoke_subgraph", "build_fingerprint_with_pytree") as pytree_fingerprints,
+        # Re-traces of a region body for its schema ([Note: a region body's schema, once per compile] in backend.py).
+        _calls_counted("torch._higher_order_ops.utils", "materialize_as_graph") as body_retraces,
+    ):
         compiled_losses = _train(torch.compile(compiled, backend=backend), len(seqs), seqs=seqs)
     eager_losses = _train(eager, len(seqs), seqs=seqs)
     invoke = torch.ops.higher_order.invoke_subgraph
@@ -277,7 +267,7 @@ def test_whole_model_compiles_a_block_body_once(dist, layers, reshard_blocks):
     # Blocks called with positional tensors enter the flat region: no input flattened through pytree.
     assert result["pytree_fingerprints"] in ([0], [None]), result
     # A body is re-traced for its schema once per compile, not at each of the twelve calls.
-    assert result["body_retraces"][0] <= 4, result
+    assert result["body_retraces"] == [None] or result["body_retraces"][0] <= 4, result
     # Bucketed per group: the root's, block 0's and block 1's all-gathers go out before block 0 runs.
     assert result["all_gathers_before_first_region"] == 3, result
     if reshard_blocks:
