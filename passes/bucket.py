@@ -34,7 +34,7 @@ import torch.fx as fx
 from fsdp_compile.config import PassConfig
 from fsdp_compile.passes.graph import (
     ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BUCKET_KEY, COLLECTIVE_NAMES, COLLECTIVES, COPY_IN, COPY_OUT, FORCE_STRIDE, FSDP_ANNOTATION_KEY, GROUP_KEY,
-    GRADIENT_REDUCTIONS, GROUPS_KEY, PARAM_KEY, PARAMS_KEY, REDUCE_SCATTER, RESHARD_AFTER_FORWARD_KEY, WAIT, collective_nodes,
+    GRADIENT_REDUCTIONS, GROUPS_KEY, PARAM_KEY, PARAMS_KEY, REDUCE_SCATTER, RESHARD_AFTER_FORWARD_KEY, STATE_KEY, WAIT, collective_nodes,
     fsdp_annotation, give_up, single_wait,
 )
 
@@ -76,16 +76,18 @@ def _val(node: Any) -> Any:
     return node.meta.get("val") if isinstance(node, fx.Node) else node
 
 
-def _new_node(graph: fx.Graph, target: Any, args: tuple, annotation: dict | None) -> fx.Node:
-    """A call_function node with ``meta["val"]`` computed on the inputs' fake tensors (Inductor needs it)."""
-    node = graph.call_function(target, args)
-    inputs = node.all_input_nodes
-    if all("val" in i.meta for i in inputs):
+def _new_node(graph: fx.Graph, target: Any, args: tuple, annotation: dict | None, kwargs: dict | None = None,
+              fake_like: fx.Node | None = None) -> fx.Node:
+    """A call_function node with ``meta["val"]`` computed on the inputs' fake tensors (Inductor needs
+    it); ``fake_like``: a node whose fake mode to use where the node has no tensor inputs."""
+    node = graph.call_function(target, args, kwargs)
+    inputs = node.all_input_nodes or ([fake_like] if fake_like is not None else [])
+    if inputs and all("val" in i.meta for i in inputs):
         values = fx.node.map_arg(args, _val)
         fake_mode = torch._guards.detect_fake_mode([i.meta["val"] for i in inputs])
         if fake_mode is not None:
             with fake_mode:
-                node.meta["val"] = target(*values)
+                node.meta["val"] = target(*values, **(kwargs or {}))
     if annotation is not None:
         node.meta["custom"] = annotation
     return node
@@ -303,44 +305,61 @@ def _bucket_reduction(graph: fx.Graph, bucket: _Bucket) -> bool:
         return False
     kind = bucket.key[0]
     annotation = _bucket_annotation(bucket, COLLECTIVE_NAMES[kind])
-    total = bucket.numel()
     cursor = anchor  # each new node goes right after the previous one
 
-    def emit(target: Any, args: tuple) -> fx.Node:
+    def emit(target: Any, args: tuple, kwargs: dict | None = None, fake_like: fx.Node | None = None) -> fx.Node:
         nonlocal cursor
         with graph.inserting_after(cursor):
-            cursor = _new_node(graph, target, args, annotation)
+            cursor = _new_node(graph, target, args, annotation, kwargs, fake_like)
         return cursor
 
     world = bucket.key[3] if kind is REDUCE_SCATTER else bucket.key[2]
-    per_rank = [emit(_aten.reshape.default, (g, [world, m.numel])) for g, m in zip(grads, bucket.members)]
+    # [Note: a tied parameter's one reduction]
+    # A parameter tied under two names is read (and traced) once per name, so its two gradients come
+    # as two members. Each reduced on its own, its gradient would cross the wire twice; eagerly,
+    # autograd sums both uses on the one unsharded parameter before its one reduce-scatter. Here too:
+    # the earlier member carries the sum, the later one reads zeros (its piece of the sum is in the
+    # carrier's, and the two pieces add up in the shard's gradient as before).
+    tied = _tied_reads(bucket) if kind is REDUCE_SCATTER else {}
+    summed = list(grads)
+    for later, carrier in tied.items():
+        summed[carrier] = emit(_aten.add.Tensor, (summed[carrier], grads[later]))
+    carried = [(index, member) for index, member in enumerate(bucket.members) if index not in tied]
+    total = sum(member.numel for _, member in carried)
+    per_rank = [emit(_aten.reshape.default, (summed[index], [world, m.numel])) for index, m in carried]
     copy_in = emit(_aten.cat.default, (per_rank, 1)) if len(per_rank) > 1 else per_rank[0]
     flat = emit(_aten.reshape.default, (copy_in, [world * total]))
     if kind is ALL_TO_ALL:
         splits = [total] * world
         received = emit(_aten.reshape.default, (emit(WAIT, (emit(ALL_TO_ALL, (flat, splits, splits, bucket.key[3])),)), [world, total]))
-        pieces = [(member.wait, received, 1) for member in bucket.members]
+        pieces = [(member.wait, received, 1) for _, member in carried]
     else:
         _, _, reduce_op, world, group_name, replicate, _ = bucket.key
         reduced = emit(WAIT, (emit(REDUCE_SCATTER, (flat, reduce_op, world, group_name)),))
-        if any(m.added is not None for m in bucket.members):
+        if any(m.added is not None for _, m in carried):
             # A tied parameter's second read adds nothing: its sum was added through the first.
             addends = [
                 emit(_aten.reshape.default, (m.added.args[1], [m.numel])) if m.added is not None
                 else emit(_aten.new_zeros.default, (reduced, [m.numel]))
-                for m in bucket.members
+                for _, m in carried
             ]
             reduced = emit(_aten.add.Tensor, (reduced, emit(_aten.cat.default, (addends, 0)) if len(addends) > 1 else addends[0]))
         if replicate is not None:
             reduced = emit(WAIT, (emit(ALL_REDUCE, (reduced, replicate[0], replicate[1])),))
-        pieces = [(member.result, reduced, 0) for member in bucket.members]
+        pieces = [(member.result, reduced, 0) for _, member in carried]
     offset = 0
-    for member, (result, source, dim) in zip(bucket.members, pieces):
+    for (_, member), (result, source, dim) in zip(carried, pieces):
         piece = emit(_aten.slice.Tensor, (source, dim, offset, offset + member.numel))
         if dim:  # the received rows' columns: copied out of the row-major buffer
             piece = emit(_aten.clone.default, (piece,))
         offset += member.numel
         result.replace_all_uses_with(emit(_aten.view.default, (piece, list(_shape(result)))))
+    for later in tied:
+        result = bucket.members[later].result
+        value = _val(result)
+        # aten.full: the constructor Inductor lowers in a post-grad graph (new_zeros is decomposed before).
+        zeros = emit(_aten.full.default, (list(_shape(result)), 0), {"dtype": value.dtype, "device": value.device}, fake_like=result)
+        result.replace_all_uses_with(zeros)
     # Readers of a reduced shard that sat between its old collective and the last gradient move after the bucket.
     for node in [n for n in graph.nodes if n in dependents and position.get(n, -1) < position[anchor]]:
         cursor.append(node)
@@ -349,6 +368,23 @@ def _bucket_reduction(graph: fx.Graph, bucket: _Bucket) -> bool:
         for node in reversed(_chain(member)):
             graph.erase_node(node)
     return True
+
+
+def _tied_reads(bucket: _Bucket) -> dict[int, int]:
+    """{index of a member: index of the earlier member reducing the same parameter's gradient}; see
+    [Note: a tied parameter's one reduction]. A member that adds HSDP's deferred sum is left alone."""
+    first: dict[tuple, int] = {}
+    tied: dict[int, int] = {}
+    for index, member in enumerate(bucket.members):
+        annotation = fsdp_annotation(member.collective) or {}
+        key = (annotation.get(STATE_KEY), annotation.get(PARAM_KEY), member.numel, _val(member.collective.args[0]).dtype)
+        if key[0] is None or key[1] is None or member.added is not None:
+            continue
+        if key in first:
+            tied[index] = first[key]
+        else:
+            first[key] = index
+    return tied
 
 
 def _chain(member: _Member) -> list[fx.Node]:

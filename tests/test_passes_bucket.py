@@ -193,3 +193,15 @@ def test_a_pass_that_leaves_a_collective_alone_counts_it(name, run):
     run(gm, PassConfig())
     assert pass_counters[f"{name}.gave_up"] == 1
     assert gm.code == before
+
+
+def test_a_tied_parameter_crosses_the_wire_once_in_its_groups_reduce_scatter(fake_world):
+    """[Note: a tied parameter's one reduction] in passes/bucket.py: the tied embedding/head weight,
+    read under two names, has two gradients; the root's one reduce-scatter carries their sum once
+    (as the eager runtime's does), not each of them."""
+    model, _, backward = _traced(PassConfig(reorder=False))
+    (root_scatter,) = [n for n in collective_nodes(backward.graph, REDUCE_SCATTER) if fsdp_annotation(n)[GROUP_KEY] == "Transformer"]
+    root_params = model._fsdp_state().group.fsdp_params
+    assert "tok_embeddings.weight" in {p.fqn for p in root_params}
+    assert root_scatter.args[0].meta["val"].numel() == fake_world * sum(p.padded_shard_numel for p in root_params)
+    assert pass_counters["bucket.gave_up"] == 0
