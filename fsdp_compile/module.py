@@ -515,12 +515,16 @@ def _takes_flat_arguments(args: tuple, kwargs: dict) -> bool:
     if kwargs:
         return False
     for arg in args:  # plain loops: Dynamo traces any() and generators in more steps
-        if not isinstance(arg, torch.Tensor):
+        if not isinstance(arg, torch.Tensor) or _has_symbolic_size(arg):
             return False
-        for size in arg.shape:
-            if isinstance(size, torch.SymInt):
-                return False
     return True
+
+
+def _has_symbolic_size(tensor: torch.Tensor) -> bool:
+    for size in tensor.shape:
+        if isinstance(size, torch.SymInt):
+            return True
+    return False
 
 
 # [Note: where Dynamo's body reuse stops]
@@ -550,7 +554,7 @@ _TRACE_ON_ITS_OWN = _TraceOnItsOwn()
 
 def _reuse_marker(args: tuple, kwargs: dict) -> object:
     """``None`` (reuse the traced body) or the marker; see [Note: where Dynamo's body reuse stops]."""
-    symbolic = any(isinstance(size, torch.SymInt) for tensor in tensors_in((args, kwargs)) for size in tensor.shape)
+    symbolic = any(_has_symbolic_size(tensor) for tensor in tensors_in((args, kwargs)))
     return _TRACE_ON_ITS_OWN if symbolic else None
 
 

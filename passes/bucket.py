@@ -313,6 +313,12 @@ def _bucket_reduction(graph: fx.Graph, bucket: _Bucket) -> bool:
             cursor = _new_node(graph, target, args, annotation, kwargs, fake_like)
         return cursor
 
+    def zeros(shape: list[int], like: fx.Node) -> fx.Node:
+        # aten.full, the constructor Inductor lowers in a post-grad graph (it decomposes new_zeros
+        # earlier and refuses it here).
+        value = _val(like)
+        return emit(_aten.full.default, (list(shape), 0), {"dtype": value.dtype, "device": value.device}, fake_like=like)
+
     world = bucket.key[3] if kind is REDUCE_SCATTER else bucket.key[2]
     # [Note: a tied parameter's one reduction]
     # A parameter tied under two names is read (and traced) once per name, so its two gradients come
@@ -340,7 +346,7 @@ def _bucket_reduction(graph: fx.Graph, bucket: _Bucket) -> bool:
             # A tied parameter's second read adds nothing: its sum was added through the first.
             addends = [
                 emit(_aten.reshape.default, (m.added.args[1], [m.numel])) if m.added is not None
-                else emit(_aten.new_zeros.default, (reduced, [m.numel]))
+                else zeros([m.numel], reduced)
                 for _, m in carried
             ]
             reduced = emit(_aten.add.Tensor, (reduced, emit(_aten.cat.default, (addends, 0)) if len(addends) > 1 else addends[0]))
@@ -356,10 +362,7 @@ def _bucket_reduction(graph: fx.Graph, bucket: _Bucket) -> bool:
         result.replace_all_uses_with(emit(_aten.view.default, (piece, list(_shape(result)))))
     for later in tied:
         result = bucket.members[later].result
-        value = _val(result)
-        # aten.full: the constructor Inductor lowers in a post-grad graph (new_zeros is decomposed before).
-        zeros = emit(_aten.full.default, (list(_shape(result)), 0), {"dtype": value.dtype, "device": value.device}, fake_like=result)
-        result.replace_all_uses_with(zeros)
+        result.replace_all_uses_with(zeros(list(_shape(result)), result))
     # Readers of a reduced shard that sat between its old collective and the last gradient move after the bucket.
     for node in [n for n in graph.nodes if n in dependents and position.get(n, -1) < position[anchor]]:
         cursor.append(node)
