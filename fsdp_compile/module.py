@@ -112,6 +112,8 @@ class FSDPModule:
         ``for block in model.layers: block.compile(backend="fsdp_inductor")``): the block's forward
         is compiled alone and its FSDP hooks run eagerly around it, as with PyTorch FSDP2, so
         nothing in the graph tells blocks apart and every identical block shares one graph.
+        ``fully_shard(torch.compile(block))`` (torchtitan's ``apply_compile`` before
+        ``fully_shard``) does the same.
 
         Example::
 
@@ -672,7 +674,7 @@ def fully_shard(
     for m in modules:
         if not isinstance(m, nn.Module):
             raise TypeError(f"fully_shard takes an nn.Module or a list of them, got {type(m).__name__}")
-        if type(m).forward is nn.Module.forward:
+        if type(m).forward is nn.Module.forward and not _compiled_before_sharding(m):
             raise ValueError(
                 f"fully_shard({type(m).__name__}): this container has no forward(), so the hooks that all-gather "
                 "its parameters would never run when its items do. Apply fully_shard to each item "
@@ -728,6 +730,7 @@ def fully_shard(
             reshard_after_forward=reshard_after_forward is not False, comm_policy=comm_policy,
         )
     state = FSDPState(modules, group, mp_policy, device, auto_reshard_after_forward=reshard_after_forward is None)
+    state.per_block_compiled = any(_compiled_before_sharding(m) for m in modules)
     register_state_dict_hooks(state)
     for fsdp_param in fsdp_params:
         for ref in fsdp_param.refs:
@@ -744,6 +747,12 @@ def fully_shard(
             _fsdp_classes[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
         m.__class__ = _fsdp_classes[cls]
     return module
+
+
+def _compiled_before_sharding(module: nn.Module) -> bool:
+    """Whether ``module`` is ``torch.compile(block)`` (torchtitan's ``apply_compile`` runs before
+    ``fully_shard``): its forward is the compiled block, and the FSDP hooks run eagerly around it."""
+    return isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
 
 
 def _check_comm_policy(policy: CommPolicy, post_forward_size: int, label: str) -> None:

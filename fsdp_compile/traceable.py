@@ -31,6 +31,7 @@ from fsdp_compile.annotations import FSDP_ANNOTATION_KEY, GROUP_KEY, PARAM_KEY, 
 from fsdp_compile.collectives import ReduceSpec
 from fsdp_compile.kernels import quantized_reference
 from fsdp_compile.layout import ShardLayout
+from fsdp_compile.param_group import TrainingState
 
 if TYPE_CHECKING:
     from fsdp_compile.mesh import TensorParallelLayout
@@ -277,7 +278,10 @@ def _param_property(name: str) -> property:
     def read(module: torch.nn.Module) -> torch.Tensor:
         fsdp_param, state = module.__dict__[_TRACED_PARAMS_ATTR][name]
         registered = module._parameters[name]
-        if state.per_block_compiled:  # FSDP2's recipe: the hooks registered the unsharded parameter
+        if state.per_block_compiled and state.training_state is not TrainingState.IDLE:
+            # FSDP2's recipe: the eager hooks around the block's graph registered the unsharded
+            # parameter. IDLE: a compiled caller traced this block with its hooks standing aside
+            # (the whole model compiled over compiled blocks), so its reads trace the unshard below.
             return registered
         if not isinstance(registered, torch.nn.Parameter):  # a block region's input, see module.py
             return registered

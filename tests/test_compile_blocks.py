@@ -69,13 +69,19 @@ def _per_block(case: str, param_dtype_name: str | None):
     policy = MixedPrecisionPolicy(param_dtype=getattr(torch, param_dtype_name) if param_dtype_name else None)
     torch.manual_seed(0)
     reference = Transformer(DEEP)
-    eager, compiled = _shard(copy.deepcopy(reference), policy), _shard(copy.deepcopy(reference), policy)
+    eager, compiled = _shard(copy.deepcopy(reference), policy), copy.deepcopy(reference)
+    if case == "compiled_before_sharding":
+        # torchtitan's apply_compile runs before fully_shard: fully_shard takes the compiled blocks.
+        for index, block in enumerate(compiled.layers):
+            compiled.layers.register_module(str(index), torch.compile(block, backend="fsdp_inductor", fullgraph=True))
+    compiled = _shard(compiled, policy)
     previous_limit = torch._dynamo.config.recompile_limit
     if case == "recompile_limit_1":
         torch._dynamo.config.recompile_limit = 1
     try:
         for index, block in enumerate(compiled.layers):
-            block.compile(backend="fsdp_inductor")
+            if case != "compiled_before_sharding":
+                block.compile(backend="fsdp_inductor")
             if case == "one_block_disabled" and index == 5:
                 block.forward = torch.compiler.disable(block.forward)
         eager_losses, compiled_losses = _train(eager, 3), _train(compiled, 3)
@@ -91,7 +97,7 @@ def _per_block(case: str, param_dtype_name: str | None):
     }
 
 
-@pytest.mark.parametrize("case", ["plain", "one_block_disabled", "recompile_limit_1"])
+@pytest.mark.parametrize("case", ["plain", "one_block_disabled", "recompile_limit_1", "compiled_before_sharding"])
 def test_per_block_compile_of_twelve_blocks_shares_one_graph_and_trains_like_eager(dist, case):
     result = dist.run(2, _per_block, case, None)[0]
     for eager, compiled in zip(result["eager_losses"], result["compiled_losses"]):
@@ -304,6 +310,44 @@ def test_whole_model_regions_under_inductor_match_eager(dist):
     for eager, compiled in zip(result["eager_losses"], result["compiled_losses"]):
         assert abs(eager - compiled) <= 1e-5 * abs(eager), result
     assert result["param_gap"] < 1e-5
+
+
+# --- whole model over blocks compiled on their own ------------------------------------------------
+
+
+def _whole_model_over_compiled_blocks(form: str):
+    """torch.compile(model) over blocks already compiled per block (block.compile(), or torchtitan's
+    torch.compile(block) before fully_shard): Dynamo traces into each block with its hooks standing
+    aside, so the block's parameter reads must trace their all-gathers rather than return shards."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    reference = Transformer(TransformerConfig(vocab_size=32, dim=16, n_layers=3, n_heads=2, max_seq_len=16))
+    eager, compiled = _shard(copy.deepcopy(reference), MixedPrecisionPolicy()), copy.deepcopy(reference)
+    if form == "compiled_before_sharding":
+        for index, block in enumerate(compiled.layers):
+            compiled.layers.register_module(str(index), torch.compile(block, backend="fsdp_aot_eager"))
+    compiled = _shard(compiled, MixedPrecisionPolicy())
+    if form == "block_compile":
+        for block in compiled.layers:
+            block.compile(backend="fsdp_aot_eager")
+    with observe_graphs() as graphs:
+        compiled_losses = _train(torch.compile(compiled, backend="fsdp_aot_eager"), 2)
+    gathered_groups = {fsdp_annotation(n)[GROUP_KEY] for kind, g in graphs if kind == "forward" for n in g.graph.nodes if n.target is ALL_GATHER}
+    return {
+        "eager_losses": _train(eager, 2),
+        "compiled_losses": compiled_losses,
+        "param_gap": _param_gap(eager, compiled),
+        "gathered_groups": sorted(gathered_groups),
+    }
+
+
+@pytest.mark.parametrize("form", ["block_compile", "compiled_before_sharding"])
+def test_whole_model_compiled_over_compiled_blocks_gathers_in_its_graph_and_trains_like_eager(dist, form):
+    result = dist.run(2, _whole_model_over_compiled_blocks, form)[0]
+    for eager, compiled in zip(result["eager_losses"], result["compiled_losses"]):
+        assert abs(eager - compiled) <= 1e-5 * abs(eager), result
+    assert result["param_gap"] < 1e-5, result
+    assert {"layers.0", "layers.1", "layers.2"} <= set(result["gathered_groups"]), result
 
 
 # --- whole model: frames Dynamo runs eagerly -------------------------------------------------------
