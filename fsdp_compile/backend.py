@@ -17,7 +17,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from fsdp_compile.graph_check import check_collectives_match_across_ranks
 
-__all__ = ["fsdp_inductor", "fsdp_inductor_with", "fsdp_aot_eager", "observe_graphs"]
+__all__ = ["fsdp_inductor", "fsdp_inductor_with", "fsdp_aot_eager", "observe_graphs", "traced_for_a_region_backend"]
 
 _PASS_VERSION = "fsdp_compile-recompute-v1"
 _POST_GRAD_VERSION = "fsdp_compile-bucket-reorder-v2"
@@ -180,6 +180,39 @@ def refuse_tensor_parallel_graphs(example_inputs: Sequence[Any]) -> None:
         )
 
 
+# Set on each backend that compiles a graph of nested block regions correctly (see
+# traced_for_a_region_backend).
+_COMPILES_REGIONS_ATTR = "_fsdp_compile_compiles_regions"
+
+
+def _compiles_regions(backend: Callable[..., Any]) -> Callable[..., Any]:
+    setattr(backend, _COMPILES_REGIONS_ATTR, True)
+    return backend
+
+
+@torch._dynamo.assume_constant_result
+def traced_for_a_region_backend() -> bool:
+    """Read while Dynamo traces a block's forward: whether the graph goes to one of our backends.
+
+    Only those compile nested compile regions correctly: ``fsdp_inductor`` turns off Inductor's
+    buffer reuse in graphs holding them ([Note: Inductor's buffer reuse across nested regions]),
+    and under torch.compile's own ``backend="inductor"`` a model of region calls got gradients
+    off by 2 to 25 times. Under another backend every block is traced inline, as with
+    ``config.compile_blocks_once = False``. Dynamo runs this at trace time and keeps the answer as
+    a constant; its own guard on the backend recompiles for another backend.
+    """
+    try:
+        from torch._dynamo.eval_frame import innermost_backend
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        backend = innermost_backend(InstructionTranslator.current_tx().output.compiler_fn)
+    except Exception:  # not under Dynamo's tracer (make_fx, export of a traced graph)
+        return False
+    backend = getattr(backend, "compiler_fn", backend)  # torch.compile's wrapper of a named backend
+    return bool(getattr(backend, _COMPILES_REGIONS_ATTR, False))
+
+
+@_compiles_regions
 def fsdp_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
     """Compile a Dynamo graph of an FSDP model: check ranks agree, tag recompute, hand to Inductor
     with our post-grad passes (bucket, reorder; ``fsdp_compile.config.passes`` as it is now) and
@@ -206,7 +239,7 @@ def fsdp_inductor_with(passes: Any) -> Callable[..., Any]:
         return _compile_with_inductor(gm, example_inputs, passes)
 
     backend.__name__ = backend.__qualname__ = "fsdp_inductor"
-    return backend
+    return _compiles_regions(backend)
 
 
 def admit_traced_parameters(gm: fx.GraphModule) -> None:
@@ -295,7 +328,8 @@ def _add_traced_op_to_inductors_decompositions() -> None:
 # by a factor of 5 to 40 under backend="inductor", exact under aot_eager or without buffer reuse.
 # Turning off Inductor's buffer reuse makes it exact. Dead buffers are still freed as soon as they
 # die, so the caching allocator reuses their memory: what is lost is allocation churn, not peak
-# memory. Only graphs holding nested regions (compile_blocks_once) get the patch.
+# memory. Only graphs holding nested regions (compile_blocks_once) get the patch. Other backends,
+# torch.compile's own "inductor" among them, get no regions (traced_for_a_region_backend).
 
 
 def _has_nested_regions(gm: fx.GraphModule) -> bool:
@@ -319,6 +353,7 @@ def _inductor_comm_passes_off() -> dict[str, Any]:
     return present
 
 
+@_compiles_regions
 def fsdp_aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
     """``fsdp_inductor``'s checks and graph passes, with the partitioned graphs run eagerly.
 
