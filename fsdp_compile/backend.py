@@ -197,7 +197,7 @@ def traced_for_a_region_backend() -> bool:
     Only those compile nested compile regions correctly: ``fsdp_inductor`` turns off Inductor's
     buffer reuse in graphs holding them ([Note: Inductor's buffer reuse across nested regions]),
     and under torch.compile's own ``backend="inductor"`` a model of region calls got gradients
-    off by 2 to 25 times. Under another backend every block is traced inline, as with
+    off by 2 to 25 times (a 2-block Transformer, silently). Under another backend every block is traced inline, as with
     ``config.compile_blocks_once = False``. Dynamo runs this at trace time and keeps the answer as
     a constant; its own guard on the backend recompiles for another backend.
     """

@@ -329,7 +329,7 @@ def _whole_model_under_torchs_inductor():
 
 def test_whole_model_under_torchs_own_inductor_traces_blocks_inline_and_trains_like_eager(dist):
     # Inductor without fsdp_inductor's patch computes wrong gradients through region calls
-    # ([Note: Inductor's buffer reuse across nested regions]): 10 to 25 times off for a 2-block
+    # ([Note: Inductor's buffer reuse across nested regions]): 2 to 25 times off for a 2-block
     # Transformer, silently; here no block may be a region.
     result = dist.run(2, _whole_model_under_torchs_inductor)[0]
     assert result["dynamo_body_traces"] == 0, result
