@@ -17,7 +17,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from fsdp_compile.graph_check import check_collectives_match_across_ranks
 
-__all__ = ["fsdp_inductor", "fsdp_inductor_with", "fsdp_aot_eager", "observe_graphs", "traced_for_a_region_backend"]
+__all__ = ["fsdp_inductor", "fsdp_inductor_with", "fsdp_aot_eager", "observe_graphs", "traced_for_an_fsdp_backend"]
 
 _PASS_VERSION = "fsdp_compile-recompute-v1"
 _POST_GRAD_VERSION = "fsdp_compile-bucket-reorder-v2"
@@ -180,36 +180,52 @@ def refuse_tensor_parallel_graphs(example_inputs: Sequence[Any]) -> None:
         )
 
 
-# Set on each backend that compiles a graph of nested block regions correctly (see
-# traced_for_a_region_backend).
-_COMPILES_REGIONS_ATTR = "_fsdp_compile_compiles_regions"
+# Set on each of our backends (see traced_for_an_fsdp_backend).
+_FSDP_BACKEND_ATTR = "_fsdp_compile_backend"
+_warned_backends: set[str] = set()
 
 
 def _compiles_regions(backend: Callable[..., Any]) -> Callable[..., Any]:
-    setattr(backend, _COMPILES_REGIONS_ATTR, True)
+    setattr(backend, _FSDP_BACKEND_ATTR, True)
     return backend
 
 
 @torch._dynamo.assume_constant_result
-def traced_for_a_region_backend() -> bool:
-    """Read while Dynamo traces a block's forward: whether the graph goes to one of our backends.
+def traced_for_an_fsdp_backend() -> bool:
+    """Read while Dynamo traces FSDP parameter reads: whether the graph goes to one of our backends.
 
-    Only those compile nested compile regions correctly: ``fsdp_inductor`` turns off Inductor's
-    buffer reuse in graphs holding them ([Note: Inductor's buffer reuse across nested regions]),
-    and under torch.compile's own ``backend="inductor"`` a model of region calls got gradients
-    off by 2 to 25 times (a 2-block Transformer, silently). Under another backend every block is traced inline, as with
-    ``config.compile_blocks_once = False``. Dynamo runs this at trace time and keeps the answer as
-    a constant; its own guard on the backend recompiles for another backend.
+    Only those check the graph (settings it cannot honour refused, the ranks' collectives compared:
+    ``admit_traced_parameters``, ``check_collectives_match_across_ranks``), run the passes, and
+    compile nested block regions correctly: ``fsdp_inductor`` turns off Inductor's buffer reuse in
+    graphs holding them ([Note: Inductor's buffer reuse across nested regions]); under
+    torch.compile's own ``backend="inductor"`` a model of region calls got gradients off by 2 to 25
+    times (a 2-block Transformer, silently). Under another backend every block is traced inline, as
+    with ``config.compile_blocks_once = False``, and the user is told once what that backend skips.
+    Dynamo runs this at trace time and keeps the answer as a constant; its own guard on the backend
+    recompiles for another backend.
     """
     try:
         from torch._dynamo.eval_frame import innermost_backend
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
-        backend = innermost_backend(InstructionTranslator.current_tx().output.compiler_fn)
+        wrapper = innermost_backend(InstructionTranslator.current_tx().output.compiler_fn)
     except Exception:  # not under Dynamo's tracer (make_fx, export of a traced graph)
         return False
-    backend = getattr(backend, "compiler_fn", backend)  # torch.compile's wrapper of a named backend
-    return bool(getattr(backend, _COMPILES_REGIONS_ATTR, False))
+    backend = getattr(wrapper, "compiler_fn", wrapper)  # torch.compile's wrapper of a named backend
+    if getattr(backend, _FSDP_BACKEND_ATTR, False):
+        return True
+    name = str(getattr(wrapper, "compiler_name", None) or getattr(backend, "__name__", type(backend).__name__))
+    if name not in _warned_backends:
+        _warned_backends.add(name)
+        warnings.warn(
+            f"fsdp_compile: torch.compile(backend={name!r}) traces this model's FSDP all-gathers and reduce-scatters "
+            "as opaque ops, without fsdp_inductor's checks (a setting the graph cannot honour is not refused, the "
+            "ranks' graphs are not compared), its graph passes, or its compile-once blocks. Use "
+            "backend='fsdp_inductor'; or, to run the FSDP hooks eagerly around compiled code as PyTorch FSDP2 does, "
+            "compile each block (block.compile()) or set fsdp_compile.config.skip_fsdp_hooks = True.",
+            stacklevel=2,
+        )
+    return False
 
 
 @_compiles_regions
@@ -329,7 +345,7 @@ def _add_traced_op_to_inductors_decompositions() -> None:
 # Turning off Inductor's buffer reuse makes it exact. Dead buffers are still freed as soon as they
 # die, so the caching allocator reuses their memory: what is lost is allocation churn, not peak
 # memory. Only graphs holding nested regions (compile_blocks_once) get the patch. Other backends,
-# torch.compile's own "inductor" among them, get no regions (traced_for_a_region_backend).
+# torch.compile's own "inductor" among them, get no regions (traced_for_an_fsdp_backend).
 
 
 def _has_nested_regions(gm: fx.GraphModule) -> bool:

@@ -19,7 +19,7 @@ graph_check_timeout_s: float = 300.0
 
 # Under fsdp_inductor (and fsdp_aot_eager), compile the body of structurally identical fully_shard
 # blocks once and reuse it (a nested compile region per block; see [Note: compile once per block] in
-# module.py). False, or another backend (backend.traced_for_a_region_backend): every block is traced
+# module.py). False, or another backend (backend.traced_for_an_fsdp_backend): every block is traced
 # and compiled inline, as one graph.
 compile_blocks_once: bool = True
 

@@ -21,6 +21,7 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from fsdp_compile import config
 from fsdp_compile.api import BackwardPrefetch, MixedPrecisionPolicy
+from fsdp_compile.backend import traced_for_an_fsdp_backend
 from fsdp_compile.comm_context import CommContext
 from fsdp_compile.param_group import FSDPParamGroup, TrainingState
 from fsdp_compile.structures import map_tensors, tensors_in
@@ -242,6 +243,8 @@ class FSDPState:
         assert group is not None
         if self.settings_refused_when_compiled():
             pass  # the branch makes Dynamo guard on the settings; admit_traced_parameters refuses them
+        if not traced_for_an_fsdp_backend():
+            pass  # another backend: told once what it skips
         spec = group.reduce_spec
         hybrid = group.mesh_info.replicate_group is not None
         takes_sums = group.requires_gradient_sync and first_place

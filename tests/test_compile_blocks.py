@@ -318,8 +318,11 @@ def _whole_model_under_torchs_inductor():
     reference = TinyLM(n_layers=3)
     eager, compiled = _shard(copy.deepcopy(reference), MixedPrecisionPolicy()), _shard(copy.deepcopy(reference), MixedPrecisionPolicy())
     body_traces_before = len(compilation_time_metrics.get("invoke_subgraph_trace", []))
-    compiled_losses = _train(torch.compile(compiled), 2)  # torch.compile's default backend, "inductor"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled_losses = _train(torch.compile(compiled), 2)  # torch.compile's default backend, "inductor"
     return {
+        "backend_warnings": [str(w.message)[:60] for w in caught if "traces this model's FSDP" in str(w.message)],
         "eager_losses": _train(eager, 2),
         "compiled_losses": compiled_losses,
         "param_gap": _param_gap(eager, compiled),
@@ -333,6 +336,8 @@ def test_whole_model_under_torchs_own_inductor_traces_blocks_inline_and_trains_l
     # Transformer, silently; here no block may be a region.
     result = dist.run(2, _whole_model_under_torchs_inductor)[0]
     assert result["dynamo_body_traces"] == 0, result
+    # Told once what this backend skips (fsdp_inductor's checks and passes).
+    assert result["backend_warnings"] == ["fsdp_compile: torch.compile(backend='inductor') traces this "], result
     for eager, compiled in zip(result["eager_losses"], result["compiled_losses"]):
         assert abs(eager - compiled) <= 1e-5 * abs(eager), result
     assert result["param_gap"] < 1e-5, result
