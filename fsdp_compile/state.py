@@ -127,6 +127,12 @@ class FSDPState:
         # Structure flags the compiled path reads (see compiles_as_region), set by fully_shard.
         self.has_outer = False
         self.is_leaf = True  # no fully_shard module inside
+        # A norm layer keeping running statistics (BatchNorm): in training its forward writes its
+        # buffers in place, which a nested compile region refuses (see compiles_as_region).
+        self.keeps_running_stats = any(
+            isinstance(sub, nn.modules.batchnorm._NormBase) and sub.track_running_stats
+            for module in modules for sub in module.modules()
+        )
         self.has_group = group is not None
         self.single_module = len(modules) == 1
         # block.compile(): the forward compiled alone, the hooks eager around it (FSDPModule.compile).
@@ -175,12 +181,15 @@ class FSDPState:
         """Whether this module's forward is a nested compile region: a block with an enclosing
         fully_shard module, no fully_shard module inside and one module in its group (see
         [Note: compile once per block] in module.py); under ``torch.compile(dynamic=True)`` none is
-        ([Note: where Dynamo's body reuse stops], 3)."""
+        ([Note: where Dynamo's body reuse stops], 3). Nor is a block keeping running statistics
+        while it trains: a region's body may not write its buffers in place under autograd (torch
+        2.13's invoke_subgraph refuses it, and the compile failed); that block is traced inline."""
         # Plain flags set by fully_shard: read under Dynamo, they guard on values that are the same
         # for every block, never on a block's identity (per-block compile shares one graph).
         return (
             config.compile_blocks_once and self.has_group and self.has_outer and self.single_module and self.is_leaf
             and not self.per_block_compiled and torch._dynamo.config.assume_static_by_default
+            and not (self.keeps_running_stats and self.modules[0].training)
         )
 
     def hooks_stood_aside(self) -> bool:
