@@ -72,11 +72,26 @@ _FALLBACK_ERRORS = getattr(
 )
 
 
+# What torch 2.13's invoke_subgraph says of a region body that writes a buffer or input in place.
+_REGION_WRITES_IN_PLACE = "does not currently support training with in-place input or buffer mutations"
+
+
 @contextlib.contextmanager
 def _said_when_dynamo_falls_back(backend: str) -> Iterator[None]:
-    """See [Note: a backend failure Dynamo turns into eager code]."""
+    """See [Note: a backend failure Dynamo turns into eager code]; a block region whose body writes
+    in place (a buffer the forward updates) gets the way out."""
     try:
         yield
+    except RuntimeError as error:
+        if _REGION_WRITES_IN_PLACE not in str(error):
+            raise
+        raise RuntimeError(
+            f"fsdp_compile: {backend}: a fully_shard block's forward writes one of its buffers or inputs in place while "
+            "training, which a block compiled once for all identical blocks (a nested compile region) cannot do under "
+            "this torch's autograd (BatchNorm's running statistics are recognised and traced inline). Set "
+            "fsdp_compile.config.compile_blocks_once = False to trace every block inline, or compile each block on its "
+            "own (block.compile())."
+        ) from error
     except _FALLBACK_ERRORS as error:
         graph = torch._guards.CompileContext.current_compile_id()
         warnings.warn(

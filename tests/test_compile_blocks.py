@@ -353,10 +353,22 @@ class _NormedBlock(nn.Module):
         return x + self.norm(self.linear(x).relu())
 
 
-def _whole_model_of_blocks_keeping_running_stats():
+class _CountingBlock(nn.Linear):
+    """Writes a buffer of its own in place in forward, as no norm layer torch knows does."""
+
+    def __init__(self) -> None:
+        super().__init__(8, 8)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        return super().forward(x)
+
+
+def _whole_model_of_blocks_writing_buffers(block: type):
     torch._dynamo.reset()
     torch.manual_seed(0)
-    reference = nn.Sequential(nn.Linear(4, 8), *(_NormedBlock() for _ in range(3)), nn.Linear(8, 2))
+    reference = nn.Sequential(nn.Linear(4, 8), *(block() for _ in range(3)), nn.Linear(8, 2))
 
     def shard(model: nn.Sequential) -> nn.Module:
         for index in range(1, 4):
@@ -366,6 +378,12 @@ def _whole_model_of_blocks_keeping_running_stats():
     eager, compiled = shard(copy.deepcopy(reference)), shard(copy.deepcopy(reference))
     body_traces_before = len(compilation_time_metrics.get("invoke_subgraph_trace", []))
     runner = torch.compile(compiled, backend="fsdp_aot_eager")
+    if block is _CountingBlock:
+        try:
+            runner(torch.randn(6, 4))
+        except Exception as error:
+            return {"error": str(error)}
+        return {"error": None}
     for model in (runner, eager):
         generator = torch.Generator().manual_seed(dist.get_rank())
         for _ in range(2):
@@ -380,9 +398,14 @@ def _whole_model_of_blocks_keeping_running_stats():
 def test_whole_model_traces_blocks_keeping_running_stats_inline_and_matches_eager(dist):
     # A region's body may not write its buffers in place under autograd: BatchNorm blocks as
     # regions failed to compile (invoke_subgraph refuses in-place buffer mutation in training).
-    result = dist.run(2, _whole_model_of_blocks_keeping_running_stats)[0]
+    result = dist.run(2, _whole_model_of_blocks_writing_buffers, _NormedBlock)[0]
     assert result["dynamo_body_traces"] == 0, result
     assert result["param_gap"] < 1e-6 and result["running_mean_gap"] < 1e-6, result
+
+
+def test_a_block_region_writing_its_buffer_is_refused_with_the_way_out(dist):
+    result = dist.run(2, _whole_model_of_blocks_writing_buffers, _CountingBlock)[0]
+    assert result["error"] and "fsdp_compile.config.compile_blocks_once = False" in result["error"], result
 
 
 # --- whole model over blocks compiled on their own ------------------------------------------------
