@@ -82,6 +82,14 @@ def _said_when_dynamo_falls_back(backend: str) -> Iterator[None]:
     in place (a buffer the forward updates) gets the way out."""
     try:
         yield
+    except _FALLBACK_ERRORS as error:  # RuntimeErrors too: this clause goes first
+        graph = torch._guards.CompileContext.current_compile_id()
+        warnings.warn(
+            f"fsdp_compile: {backend} could not compile graph {graph} ({type(error).__name__}: {error}). Dynamo runs "
+            "that code eagerly instead; fsdp_compile's eager hooks gather and reduce the parameters of each module in "
+            "it, so training stays correct, but it is not compiled. TORCH_LOGS=graph_breaks shows where it failed.",
+        )
+        raise
     except RuntimeError as error:
         if _REGION_WRITES_IN_PLACE not in str(error):
             raise
@@ -92,14 +100,6 @@ def _said_when_dynamo_falls_back(backend: str) -> Iterator[None]:
             "fsdp_compile.config.compile_blocks_once = False to trace every block inline, or compile each block on its "
             "own (block.compile())."
         ) from error
-    except _FALLBACK_ERRORS as error:
-        graph = torch._guards.CompileContext.current_compile_id()
-        warnings.warn(
-            f"fsdp_compile: {backend} could not compile graph {graph} ({type(error).__name__}: {error}). Dynamo runs "
-            "that code eagerly instead; fsdp_compile's eager hooks gather and reduce the parameters of each module in "
-            "it, so training stays correct, but it is not compiled. TORCH_LOGS=graph_breaks shows where it failed.",
-        )
-        raise
 
 
 def _tag_recompute(graph: fx.Graph) -> None:
