@@ -220,12 +220,13 @@ def traced_for_an_fsdp_backend() -> bool:
     recompiles for another backend.
     """
     try:
-        from torch._dynamo.eval_frame import innermost_backend
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
-        wrapper = innermost_backend(InstructionTranslator.current_tx().output.compiler_fn)
+        wrapper = InstructionTranslator.current_tx().output.compiler_fn
     except Exception:  # not under Dynamo's tracer (make_fx, export of a traced graph)
         return False
+    while hasattr(wrapper, "_torchdynamo_orig_backend"):  # Dynamo's debug and error-catching wrappers
+        wrapper = wrapper._torchdynamo_orig_backend
     backend = getattr(wrapper, "compiler_fn", wrapper)  # torch.compile's wrapper of a named backend
     if getattr(backend, _FSDP_BACKEND_ATTR, False):
         return True
