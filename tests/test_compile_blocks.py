@@ -354,7 +354,7 @@ class _NormedBlock(nn.Module):
 
 
 class _CountingBlock(nn.Linear):
-    """Writes a buffer of its own in place in forward, as no norm layer torch knows does."""
+    """Writes a buffer of its own in place in forward: not a norm layer's running statistics."""
 
     def __init__(self) -> None:
         super().__init__(8, 8)
