@@ -200,7 +200,7 @@ _FSDP_BACKEND_ATTR = "_fsdp_compile_backend"
 _warned_backends: set[str] = set()
 
 
-def _compiles_regions(backend: Callable[..., Any]) -> Callable[..., Any]:
+def _fsdp_backend(backend: Callable[..., Any]) -> Callable[..., Any]:
     setattr(backend, _FSDP_BACKEND_ATTR, True)
     return backend
 
@@ -244,7 +244,7 @@ def traced_for_an_fsdp_backend() -> bool:
     return False
 
 
-@_compiles_regions
+@_fsdp_backend
 def fsdp_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
     """Compile a Dynamo graph of an FSDP model: check ranks agree, tag recompute, hand to Inductor
     with our post-grad passes (bucket, reorder; ``fsdp_compile.config.passes`` as it is now) and
@@ -271,7 +271,7 @@ def fsdp_inductor_with(passes: Any) -> Callable[..., Any]:
         return _compile_with_inductor(gm, example_inputs, passes)
 
     backend.__name__ = backend.__qualname__ = "fsdp_inductor"
-    return _compiles_regions(backend)
+    return _fsdp_backend(backend)
 
 
 def admit_traced_parameters(gm: fx.GraphModule) -> None:
@@ -385,7 +385,7 @@ def _inductor_comm_passes_off() -> dict[str, Any]:
     return present
 
 
-@_compiles_regions
+@_fsdp_backend
 def fsdp_aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
     """``fsdp_inductor``'s checks and graph passes, with the partitioned graphs run eagerly.
 

@@ -13,7 +13,6 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdp_compile.backend import traced_for_an_fsdp_backend
 from fsdp_compile.api import BackwardPrefetch, CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from fsdp_compile.mesh import (
     DataParallelMeshDims, MeshInfo, TensorParallelLayout, default_mesh, mesh_device, mesh_info_for, post_forward_mesh_info_for,
@@ -74,7 +73,7 @@ class FSDPModule:
         # See [Note: compile once per block].
         if torch.compiler.is_compiling():
             state = self._fsdp_state()
-            if state.compiles_as_region and traced_for_an_fsdp_backend():
+            if state.compiles_as_region:
                 unsharded = state.traced_unshard(state.group.fsdp_params)
                 if _takes_flat_arguments(args, kwargs):  # [Note: a block region's flat arguments]
                     return _flat_block_region(self, len(unsharded), *unsharded, *args)

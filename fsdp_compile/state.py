@@ -183,13 +183,14 @@ class FSDPState:
         [Note: compile once per block] in module.py); under ``torch.compile(dynamic=True)`` none is
         ([Note: where Dynamo's body reuse stops], 3). Nor is a block keeping running statistics
         while it trains: a region's body may not write its buffers in place under autograd (torch
-        2.13's invoke_subgraph refuses it, and the compile failed); that block is traced inline."""
+        2.13's invoke_subgraph refuses it, and the compile failed); that block is traced inline.
+        Only our backends compile regions correctly (``backend.traced_for_an_fsdp_backend``)."""
         # Plain flags set by fully_shard: read under Dynamo, they guard on values that are the same
         # for every block, never on a block's identity (per-block compile shares one graph).
         return (
             config.compile_blocks_once and self.has_group and self.has_outer and self.single_module and self.is_leaf
             and not self.per_block_compiled and torch._dynamo.config.assume_static_by_default
-            and not (self.keeps_running_stats and self.modules[0].training)
+            and not (self.keeps_running_stats and self.modules[0].training) and traced_for_an_fsdp_backend()
         )
 
     def hooks_stood_aside(self) -> bool:
@@ -252,8 +253,7 @@ class FSDPState:
         assert group is not None
         if self.settings_refused_when_compiled():
             pass  # the branch makes Dynamo guard on the settings; admit_traced_parameters refuses them
-        if not traced_for_an_fsdp_backend():
-            pass  # another backend: told once what it skips
+        traced_for_an_fsdp_backend()  # another backend is told once what it skips
         spec = group.reduce_spec
         hybrid = group.mesh_info.replicate_group is not None
         takes_sums = group.requires_gradient_sync and first_place
