@@ -245,13 +245,20 @@ def traced_for_an_fsdp_backend() -> bool:
 
 
 @_fsdp_backend
-def fsdp_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+def fsdp_inductor(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], mode: str | None = None, options: dict[str, Any] | None = None,
+) -> Any:
     """Compile a Dynamo graph of an FSDP model: check ranks agree, tag recompute, hand to Inductor
     with our post-grad passes (bucket, reorder; ``fsdp_compile.config.passes`` as it is now) and
-    Inductor's own comm passes off."""
+    Inductor's own comm passes off.
+
+    ``mode`` and ``options`` are torch.compile's (``torch.compile(model, backend="fsdp_inductor",
+    mode="max-autotune")``), applied to Inductor as for ``backend="inductor"``; see
+    [Note: torch.compile's mode and options under fsdp_inductor].
+    """
     from fsdp_compile import config
 
-    return _compile_with_inductor(gm, example_inputs, config.passes)
+    return _compile_with_inductor(gm, example_inputs, config.passes, mode, options)
 
 
 def fsdp_inductor_with(passes: Any) -> Callable[..., Any]:
@@ -267,8 +274,10 @@ def fsdp_inductor_with(passes: Any) -> Callable[..., Any]:
         torch.compile(model, backend=fsdp_inductor_with(PassConfig(reorder=False)))
     """
 
-    def backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
-        return _compile_with_inductor(gm, example_inputs, passes)
+    def backend(
+        gm: fx.GraphModule, example_inputs: Sequence[Any], mode: str | None = None, options: dict[str, Any] | None = None,
+    ) -> Any:
+        return _compile_with_inductor(gm, example_inputs, passes, mode, options)
 
     backend.__name__ = backend.__qualname__ = "fsdp_inductor"
     return _fsdp_backend(backend)
@@ -307,28 +316,86 @@ def admit_traced_parameters(gm: fx.GraphModule) -> None:
                 )
 
 
-def _compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], passes: Any) -> Any:
+def _compile_with_inductor(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], passes: Any, mode: str | None = None,
+    options: dict[str, Any] | None = None,
+) -> Any:
     from torch._inductor.compile_fx import compile_fx
 
-    refuse_tensor_parallel_graphs(example_inputs)
-    check_collectives_match_across_ranks(gm)
-    admit_traced_parameters(gm)
     pass_config = passes.resolved()
-    config_patches = {
-        "joint_custom_pre_pass": _RecomputeReshardedParams(),
-        "post_grad_custom_post_pass": _PostGradPasses(pass_config),
-        **_inductor_comm_passes_off(),
+    # Why each is pinned: said to a user whose mode= or options= asks otherwise.
+    pinned: dict[str, tuple[Any, str]] = {
+        "joint_custom_pre_pass": (_RecomputeReshardedParams(), "fsdp_inductor runs its recompute tagging in this hook"),
+        "post_grad_custom_post_pass": (
+            _PostGradPasses(pass_config), "fsdp_inductor runs its bucketing and reordering passes in this hook",
+        ),
+        **{
+            name: (value, "only fsdp_inductor's passes place collectives (tune them with fsdp_inductor_with(PassConfig(...)))")
+            for name, value in _inductor_comm_passes_off().items()
+        },
     }
     if pass_config.reorder:
         # Pins our collective placement: Inductor's peak-memory reordering would sink each
         # prefetched all-gather back down to its use (see passes/reorder.py).
-        config_patches["reorder_for_peak_memory"] = False
+        pinned["reorder_for_peak_memory"] = (
+            False, "it would undo the prefetch order of fsdp_inductor's reorder pass (PassConfig(reorder=False) frees it)",
+        )
     if _has_nested_regions(gm):
-        # See [Note: Inductor's buffer reuse across nested regions].
-        config_patches["allow_buffer_reuse"] = False
+        pinned["allow_buffer_reuse"] = (
+            False, "see [Note: Inductor's buffer reuse across nested regions] (fsdp_compile.config.compile_blocks_once = "
+            "False frees it)",
+        )
+    config_patches = {**_settings_from_torch_compile(mode, options, pinned), **{k: v for k, (v, _) in pinned.items()}}
+    refuse_tensor_parallel_graphs(example_inputs)
+    check_collectives_match_across_ranks(gm)
+    admit_traced_parameters(gm)
     _add_traced_op_to_inductors_decompositions()
     with _said_when_dynamo_falls_back("fsdp_inductor"), _region_schemas_kept():
         return compile_fx(gm, example_inputs, config_patches=config_patches)
+
+
+# [Note: torch.compile's mode and options under fsdp_inductor]
+# torch.compile hands a named backend its mode= and options= as keyword arguments; fsdp_inductor
+# turns them into Inductor config patches as torch does for backend="inductor" (same modes, same
+# check of option names and types), so mode="max-autotune" autotunes. Two exceptions, both said:
+# - CUDA graphs (mode="reduce-overhead" / "max-autotune", options={"triton.cudagraphs": True}) stay
+#   off, with a warning: CUDA graph capture of graphs holding FSDP collectives has never run in
+#   this project (no GPU was lent to check it), so it is not offered.
+# - An option that changes a setting fsdp_inductor pins (its pass hooks, Inductor's comm passes,
+#   the orders and buffer reuse its passes rely on) is refused, naming why and what frees it,
+#   before the graph's first collective.
+def _settings_from_torch_compile(
+    mode: str | None, options: dict[str, Any] | None, pinned: dict[str, tuple[Any, str]],
+) -> dict[str, Any]:
+    """torch.compile's ``mode`` / ``options`` as Inductor config patches; see the note above."""
+    if (not mode or mode == "default") and not options:
+        return {}
+    asked = ", ".join(part for part in (f"mode={mode!r}" if mode else "", f"options={options!r}" if options else "") if part)
+    try:
+        # torch's own translation and checks for backend="inductor": the same modes, option names and types.
+        settings = dict(torch._TorchCompileInductorWrapper(mode, options, None).config)
+    except RuntimeError as error:
+        said = str(error).split(", known options are")[0]  # not the list of several hundred names
+        raise ValueError(
+            f"fsdp_inductor: torch.compile({asked}): {said}. torch._inductor.list_options() lists Inductor's options, "
+            "torch._inductor.list_mode_options() its modes."
+        ) from None
+    if settings.pop("triton.cudagraphs", False):
+        warnings.warn(
+            f"fsdp_inductor: torch.compile({asked}) asks for CUDA graphs, which fsdp_inductor leaves off: capturing "
+            "graphs that hold FSDP collectives is unverified. The rest of the mode applies; "
+            "mode='max-autotune-no-cudagraphs' asks for exactly that.",
+            stacklevel=2,
+        )
+    for name, value in settings.items():
+        if name in pinned and pinned[name][0] != value:
+            kept, why = pinned[name]
+            kept_as = repr(kept) if isinstance(kept, (bool, int, str)) else "its own pass"
+            raise ValueError(
+                f"fsdp_inductor: torch.compile({asked}) sets Inductor's {name} = {value!r}, which fsdp_inductor keeps at "
+                f"{kept_as}: {why}. Leave it out of options."
+            )
+    return settings
 
 
 def _add_traced_op_to_inductors_decompositions() -> None:
@@ -386,11 +453,19 @@ def _inductor_comm_passes_off() -> dict[str, Any]:
 
 
 @_fsdp_backend
-def fsdp_aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+def fsdp_aot_eager(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], mode: str | None = None, options: dict[str, Any] | None = None,
+) -> Any:
     """``fsdp_inductor``'s checks and graph passes, with the partitioned graphs run eagerly.
 
-    For debugging and graph tests: no code generation, the same forward/backward split.
+    For debugging and graph tests: no code generation, the same forward/backward split. It has no
+    code generator for torch.compile's ``mode`` / ``options`` to configure, so it refuses them.
     """
+    if (mode and mode != "default") or options:
+        raise ValueError(
+            f"fsdp_aot_eager runs its graphs without code generation, so torch.compile's mode={mode!r} / "
+            f"options={options!r} configure nothing: leave them out, or compile with backend='fsdp_inductor'."
+        )
     from functorch.compile import make_boxed_func
     from torch._functorch.aot_autograd import aot_module_simplified
     from torch._functorch.partitioners import min_cut_rematerialization_partition

@@ -409,3 +409,84 @@ def test_each_setting_changes_compiled_collectives_as_eager_or_is_refused(dist, 
         assert abs(a - b) <= tolerance * max(1.0, abs(a)), result
     for a, b in zip(eager["params"], compiled["params"]):
         assert max(abs(x - y) for x, y in zip(a, b)) <= tolerance * max(1.0, *map(abs, a)), name
+
+
+# --- torch.compile's own mode= and options= ----------------------------------------------------------
+# [Note: torch.compile's mode and options under fsdp_inductor] in backend.py. The model is TinyLM on
+# one in-process rank of a fake world of 8: only the first forward compiles.
+
+
+def _compile_first_forward(backend: str, **compile_kwargs) -> tuple[torch.Tensor, torch.nn.Module]:
+    torch.manual_seed(0)
+    model = shard_model(TinyLM(), fully_shard)
+    tokens = torch.randint(0, UNEVEN.vocab_size, (2, 8))
+    return tokens, torch.compile(model, backend=backend, **compile_kwargs)
+
+
+@pytest.fixture
+def inductor_calls(monkeypatch) -> list[dict]:
+    """Each Inductor compile's config patches; the graph then runs as traced (no code generated)."""
+    import torch._inductor.compile_fx
+
+    calls: list[dict] = []
+
+    def spy(gm, example_inputs, config_patches=None, **kwargs):
+        calls.append(dict(config_patches or {}))
+        return gm.forward
+
+    monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx", spy)
+    return calls
+
+
+@pytest.mark.parametrize("fake_world", [8], indirect=True)
+def test_torch_compile_options_reach_inductors_generated_code(fake_world):
+    """``options={"size_asserts": False}`` (Inductor's default is True): the generated code has no size asserts."""
+    from torch._inductor.utils import run_and_get_code
+
+    assert torch._inductor.config.size_asserts
+    tokens, compiled = _compile_first_forward("fsdp_inductor", options={"size_asserts": False})
+    _, codes = run_and_get_code(lambda: compiled(tokens))
+    assert codes and "all_gather_into_tensor" in codes[0]
+    assert not any("assert_size_stride(" in code for code in codes)
+
+
+@pytest.mark.parametrize("fake_world", [8], indirect=True)
+def test_torch_compile_mode_applies_without_cuda_graphs_and_says_so(fake_world, inductor_calls):
+    tokens, compiled = _compile_first_forward("fsdp_inductor", mode="max-autotune")
+    with pytest.warns(UserWarning, match=r"mode='max-autotune'\) asks for CUDA graphs, which fsdp_inductor leaves off"):
+        compiled(tokens)
+    patches = inductor_calls[0]
+    assert patches["max_autotune"] is True and patches["coordinate_descent_tuning"] is True
+    assert "triton.cudagraphs" not in patches
+    assert patches["reorder_for_peak_memory"] is False  # fsdp_inductor's own pins stay
+
+
+@pytest.mark.parametrize(
+    "options, named",
+    [
+        ({"reorder_for_peak_memory": True}, "PassConfig(reorder=False)"),
+        ({"bucket_all_gathers_fx": "all"}, "fsdp_inductor_with(PassConfig"),
+        ({"post_grad_custom_post_pass": None}, "bucketing and reordering passes"),
+        ({"no_such_option": 1}, "Unexpected optimization option no_such_option"),
+    ],
+)
+@pytest.mark.parametrize("fake_world", [8], indirect=True)
+def test_torch_compile_options_fsdp_inductor_cannot_take_are_refused_before_any_collective(
+    fake_world, inductor_calls, monkeypatch, options, named,
+):
+    import fsdp_compile.backend
+
+    checked: list[object] = []
+    monkeypatch.setattr(fsdp_compile.backend, "check_collectives_match_across_ranks", checked.append)
+    tokens, compiled = _compile_first_forward("fsdp_inductor", options=options)
+    with pytest.raises(Exception, match=re.escape(named)) as raised:
+        compiled(tokens)
+    assert "fsdp_inductor: torch.compile(options=" in str(raised.value)
+    assert not checked and not inductor_calls  # refused before the fingerprint's all-gather
+
+
+@pytest.mark.parametrize("fake_world", [8], indirect=True)
+def test_fsdp_aot_eager_refuses_a_mode_it_cannot_apply(fake_world):
+    tokens, compiled = _compile_first_forward("fsdp_aot_eager", mode="max-autotune")
+    with pytest.raises(Exception, match="fsdp_aot_eager runs its graphs without code generation"):
+        compiled(tokens)
