@@ -1,10 +1,15 @@
-"""An optimizer built before ``fully_shard`` holds the parameters ``fully_shard`` replaced by their
-shards: its ``step()`` would update tensors no module uses any more, silently training nothing.
+"""An optimizer must hold the sharded parameters, which receive the gradients. One built before
+``fully_shard`` holds the parameters ``fully_shard`` replaced by their shards; one built while a
+module's parameters were gathered holds their unsharded copies (``model.parameters()`` returns what
+the module registers: after a forward without backward, under ``no_grad`` or ``inference_mode``,
+the root keeps its parameters gathered, as FSDP2 does). Either way its ``step()`` would update
+tensors that get no gradient, silently training nothing (PyTorch FSDP2 trains those parameters
+silently wrong).
 
 ``fully_shard`` marks every parameter it replaces (and ``replace_sharded_param`` every shard it
-replaces); one global optimizer step pre-hook refuses an optimizer holding a marked parameter, at
-its first ``step()``. The check runs once per optimizer and parameter count, so a step costs one
-weak-dictionary lookup.
+replaces), and each unsharded copy is marked when made; one global optimizer step pre-hook refuses
+an optimizer holding a marked parameter, at its first ``step()``. The check runs once per optimizer
+and parameter count, so a step costs one weak-dictionary lookup.
 """
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["mark_replaced", "install_optimizer_check"]
+__all__ = ["mark_replaced", "mark_unsharded", "install_optimizer_check"]
 
 _REPLACED_ATTR = "_fsdp_compile_replaced_by"
 # optimizer -> how many parameters it held when last checked
@@ -23,7 +28,16 @@ _checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.Weak
 
 def mark_replaced(param: torch.Tensor, where: str) -> None:
     """``param`` is no longer what the module holds; ``where`` says what replaced it, for the error."""
-    setattr(param, _REPLACED_ATTR, where)
+    setattr(param, _REPLACED_ATTR, f"a parameter that {where} replaced")
+
+
+def mark_unsharded(param: torch.Tensor, fqn: str) -> None:
+    """``param`` is the unsharded copy of ``fqn``, registered on its module only while gathered."""
+    setattr(
+        param, _REPLACED_ATTR,
+        f"the unsharded copy of '{fqn}' (the module registers it only while gathered; a forward without backward, "
+        "under no_grad or inference_mode, leaves the root's parameters gathered)",
+    )
 
 
 def _refuse_replaced_parameters(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -37,9 +51,10 @@ def _refuse_replaced_parameters(optimizer: torch.optim.Optimizer, args: Any, kwa
             where = getattr(param, _REPLACED_ATTR, None)
             if where is not None:
                 raise RuntimeError(
-                    f"fsdp_compile: {type(optimizer).__name__}.step() would update a parameter that {where} replaced, "
-                    "so it would train nothing. Build the optimizer after fully_shard (and after assigning "
-                    "parameters), from model.parameters(), so it holds the sharded parameters."
+                    f"fsdp_compile: {type(optimizer).__name__}.step() would update {where}, so it would train nothing. "
+                    "Build the optimizer from model.parameters() after fully_shard (and after assigning parameters) "
+                    "while the model is sharded: before its first forward, after a backward, or after model.reshard(). "
+                    "Then it holds the sharded parameters."
                 )
     _checked[optimizer] = count
 

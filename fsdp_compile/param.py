@@ -13,7 +13,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from fsdp_compile.api import MixedPrecisionPolicy
 from fsdp_compile.layout import ShardLayout
-from fsdp_compile.optimizer_check import mark_replaced
+from fsdp_compile.optimizer_check import mark_replaced, mark_unsharded
 from fsdp_compile.mesh import MeshInfo, PostForwardMeshInfo, TensorParallelLayout
 
 __all__ = ["ShardedState", "ParamRef", "FSDPParam"]
@@ -273,6 +273,7 @@ class FSDPParam:
             data.untyped_storage().resize_(0)
             value = data if self.tensor_parallel is None else self.tensor_parallel.unsharded(data)
             self._unsharded_param = nn.Parameter(value, requires_grad=self.sharded_param.requires_grad)
+            mark_unsharded(self._unsharded_param, self.fqn)
         return self._unsharded_param
 
     def _unsharded_storage_tensor(self) -> torch.Tensor:
@@ -396,6 +397,7 @@ class FSDPParam:
             )
         self._extension_inner_tensors = list(inner)
         self._unsharded_param = nn.Parameter(unsharded, requires_grad=self.sharded_param.requires_grad)
+        mark_unsharded(self._unsharded_param, self.fqn)
 
     # --- state transitions ----------------------------------------------------------------
     def to_unsharded(self) -> None:

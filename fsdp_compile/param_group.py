@@ -1,6 +1,7 @@
 """FSDPParamGroup: the parameters of one ``fully_shard`` call, moved by one collective each way."""
 from __future__ import annotations
 
+import contextlib
 import functools
 from enum import Enum, auto
 from typing import Any, Callable
@@ -23,16 +24,21 @@ __all__ = ["TrainingState", "FSDPParamGroup"]
 
 def _eager_only(method: Callable[..., Any]) -> Callable[..., Any]:
     """Run ``method`` as plain eager code: never traced by Dynamo (a backward hook can fire inside a
-    compiled frame that called ``loss.backward()``), and with functorch transforms
+    compiled frame that called ``loss.backward()``), with functorch transforms
     (``torch.func.jvp``/``vmap``) off, since the unsharded parameters are real tensors whose storage
-    we resize, never a transform's wrapper of one."""
+    we resize, never a transform's wrapper of one; and outside ``torch.inference_mode``, since those
+    parameters and their buffers outlive the step: made as inference tensors by an evaluation
+    forward, they could be neither written nor saved for backward by the training step after it
+    (PyTorch FSDP2 fails there: "Inplace update to inference tensor outside InferenceMode")."""
 
     @functools.wraps(method)
     def run(*args: Any, **kwargs: Any) -> Any:
-        if torch._C._are_functorch_transforms_active():
-            with torch._C._DisableFuncTorch():
-                return method(*args, **kwargs)
-        return method(*args, **kwargs)
+        with contextlib.ExitStack() as modes:
+            if torch._C._are_functorch_transforms_active():
+                modes.enter_context(torch._C._DisableFuncTorch())
+            if torch.is_inference_mode_enabled():
+                modes.enter_context(torch.inference_mode(False))
+            return method(*args, **kwargs)
 
     return torch._dynamo.disable(run, recursive=True)
 

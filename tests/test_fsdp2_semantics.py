@@ -315,6 +315,46 @@ def test_module_to_float64_after_fully_shard_moves_the_shards_and_computes_in_fl
     assert result["vs_reference"] < 1e-12
 
 
+def _evaluated_first_then_trained(grad_mode: str):
+    """A forward under ``grad_mode`` before training: the root keeps its parameters gathered after it,
+    so ``model.parameters()`` returns their unsharded copies until a backward or ``reshard()``."""
+    no_backward = torch.inference_mode if grad_mode == "inference_mode" else torch.no_grad
+    torch.manual_seed(0)
+    reference = _Chain()
+    probe = torch.randn(4, DIM, generator=torch.Generator().manual_seed(3))
+    batches = _batches(2)
+    loss_fn = lambda out: out.pow(2).mean()  # noqa: E731
+    expected = _sgd_steps(copy.deepcopy(reference), batches, loss_fn, shard=False)
+    result = {}
+    for built in ("while gathered", "after reshard"):
+        model = copy.deepcopy(reference)
+        fully_shard(model.a)
+        fully_shard(model)
+        with no_backward():  # the first forward: lazy init, and the root's persistent unsharded parameters
+            evaluated = model(probe)
+        if built == "after reshard":
+            model.reshard()
+        try:
+            result[built] = max_difference(_sgd_steps(model, batches, loss_fn, shard=True), expected)
+        except RuntimeError as error:
+            result[built] = str(error)
+    with no_backward():
+        result["eval"] = (evaluated - reference(probe)).abs().max().item()
+    return result
+
+
+@pytest.mark.parametrize("grad_mode", ["no_grad", "inference_mode"])
+def test_an_optimizer_built_after_an_evaluation_forward_is_refused_until_reshard_then_trains(dist, grad_mode):
+    """PyTorch FSDP2 (torch 2.13) trains the root's parameters silently wrong here (their unsharded
+    copies get no gradient), and after an inference-mode forward fails: "Inplace update to inference
+    tensor outside InferenceMode"."""
+    result = dist.run(2, _evaluated_first_then_trained, grad_mode)[0]
+    refused = result["while gathered"]
+    assert isinstance(refused, str) and "SGD.step() would update the unsharded copy of 'b.weight'" in refused, result
+    assert "model.reshard()" in refused, result
+    assert result["eval"] < 1e-6 and result["after reshard"] < 1e-6, result
+
+
 # --- 6. a parameter re-assigned after fully_shard -------------------------------------------------------
 
 
