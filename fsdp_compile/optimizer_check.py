@@ -52,9 +52,9 @@ def _refuse_replaced_parameters(optimizer: torch.optim.Optimizer, args: Any, kwa
             if where is not None:
                 raise RuntimeError(
                     f"fsdp_compile: {type(optimizer).__name__}.step() would update {where}, so it would train nothing. "
-                    "Build the optimizer from model.parameters() after fully_shard (and after assigning parameters) "
-                    "while the model is sharded: before its first forward, after a backward, or after model.reshard(). "
-                    "Then it holds the sharded parameters."
+                    "Build the optimizer after fully_shard (and after assigning parameters), from model.parameters(), "
+                    "while the model is sharded (before its first forward, after a backward, or after model.reshard()), "
+                    "so it holds the sharded parameters."
                 )
     _checked[optimizer] = count
 
