@@ -15,12 +15,18 @@ import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+try:
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn as _CustomPartitionerFn
+except ImportError:  # a torch without Inductor's partitioner hook
+    _CustomPartitionerFn = None
+
 from fsdp_compile.graph_check import check_collectives_match_across_ranks
 
 __all__ = ["fsdp_inductor", "fsdp_inductor_with", "fsdp_aot_eager", "observe_graphs", "traced_for_an_fsdp_backend"]
 
 _PASS_VERSION = "fsdp_compile-recompute-v1"
 _POST_GRAD_VERSION = "fsdp_compile-bucket-reorder-v2"
+_PARTITION_VERSION = "fsdp_compile-saved-values-in-runtime-order-v1"
 
 
 _graph_observers: list[Callable[[str, fx.GraphModule], None]] = []
@@ -117,6 +123,87 @@ class _RecomputeReshardedParams(CustomGraphPass):
 
     def uuid(self) -> Any:
         return f"{_PASS_VERSION}:{_traced_code_version()}"
+
+
+# [Note: saved RNG states before opaque objects]
+# AOTAutograd's runtime reads the values a forward saves for backward in this order: tensors,
+# opaque objects, symints. torch 2.13's partitioner appends a checkpointed region's RNG states
+# (``functionalize_rng_ops``, saved even with ``preserve_rng_state=False``) after the opaque
+# objects instead. A graph saving both failed at its first step with "expected all
+# tensors_saved_with_vc_check to be Tensors": a block traced inline under activation checkpointing
+# saves RNG states, and the root parameter's DeviceMesh (an opaque graph input the backward needs
+# to rebuild its DTensor gradient). After partitioning, the saved values of both graphs are put in
+# the order the runtime reads them. The backward takes the symints first, then the other saved
+# values in the forward's order; where a graph is laid out otherwise, it is left as torch made it.
+def _saved_values_in_runtime_order(forward: fx.GraphModule, backward: fx.GraphModule, num_fwd_outputs: int) -> None:
+    from torch.fx.experimental.proxy_tensor import is_sym_node
+
+    try:  # what the runtime counts as an opaque object
+        from torch._functorch._aot_autograd.graph_compile import is_opaque_node
+    except ImportError:
+        return
+
+    def runtime_rank(node: fx.Node) -> int:
+        if is_sym_node(node):
+            return 3
+        if is_opaque_node(node):
+            return 2
+        return 1 if node.meta.get("saved_tensor_with_no_vc_check", False) else 0
+
+    output = next(iter(forward.graph.find_nodes(op="output")))
+    outputs = list(output.args[0])
+    saved = outputs[num_fwd_outputs:]
+    order = sorted(range(len(saved)), key=lambda i: runtime_rank(saved[i]))
+    if order == list(range(len(saved))):
+        return
+    not_symints = [node for node in saved if runtime_rank(node) != 3]
+    placeholders = list(backward.graph.find_nodes(op="placeholder"))
+    num_symints = len(saved) - len(not_symints)
+    taken = placeholders[num_symints : num_symints + len(not_symints)]
+    if len(taken) != len(not_symints) or any(
+        placeholder.name != node.name and not placeholder.name.startswith("rng_state_output")
+        for placeholder, node in zip(taken, not_symints)
+    ):
+        return
+    reordered = [saved[i] for i in order]
+    output.args = (type(output.args[0])(outputs[:num_fwd_outputs] + reordered),)
+    descriptions = output.meta.get("desc")
+    if isinstance(descriptions, list) and len(descriptions) == len(outputs):
+        output.meta["desc"] = descriptions[:num_fwd_outputs] + [descriptions[num_fwd_outputs + i] for i in order]
+    placeholder_of = dict(zip(not_symints, taken))
+    after_taken = taken[-1].next
+    for node in reordered:
+        if node in placeholder_of:
+            after_taken.prepend(placeholder_of[node])
+    forward.recompile()
+    backward.recompile()
+
+
+def _partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """torch's min-cut partition, its saved values in the order the runtime reads them."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+    _saved_values_in_runtime_order(forward, backward, kwargs["num_fwd_outputs"])
+    return forward, backward
+
+
+if _CustomPartitionerFn is not None:
+
+    class _RuntimeOrderedPartitioner(_CustomPartitionerFn):
+        """Inductor's partitioner hook around ``_partition``. A module-level class: Inductor's cache
+        key pickles the config holding it."""
+
+        def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any) -> Any:
+            return _partition(gm, joint_inputs, **kwargs)
+
+        def uuid(self) -> Any:
+            return _PARTITION_VERSION
+
+
+def _runtime_ordered_partitioner() -> Any:
+    """The partitioner hook's object; None where this torch has no such hook."""
+    return None if _CustomPartitionerFn is None else _RuntimeOrderedPartitioner()
 
 
 @functools.cache
@@ -340,6 +427,11 @@ def _compile_with_inductor(
         pinned["reorder_for_peak_memory"] = (
             False, "it would undo the prefetch order of fsdp_inductor's reorder pass (PassConfig(reorder=False) frees it)",
         )
+    partitioner = _runtime_ordered_partitioner()
+    if partitioner is not None:
+        pinned["custom_partitioner_fn"] = (
+            partitioner, "fsdp_inductor partitions with it ([Note: saved RNG states before opaque objects])",
+        )
     if _has_nested_regions(gm):
         pinned["allow_buffer_reuse"] = (
             False, "see [Note: Inductor's buffer reuse across nested regions] (fsdp_compile.config.compile_blocks_once = "
@@ -468,7 +560,6 @@ def fsdp_aot_eager(
         )
     from functorch.compile import make_boxed_func
     from torch._functorch.aot_autograd import aot_module_simplified
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     from fsdp_compile import config
     from fsdp_compile.passes import apply_post_grad_passes
@@ -481,7 +572,7 @@ def fsdp_aot_eager(
 
     def partition(joint: fx.GraphModule, joint_inputs: Any, **partition_kwargs: Any) -> Any:
         _tag_recompute(joint.graph)
-        return min_cut_rematerialization_partition(joint, joint_inputs, **partition_kwargs)
+        return _partition(joint, joint_inputs, **partition_kwargs)
 
     def run_eagerly(kind: str) -> Callable[[fx.GraphModule, Any], Any]:
         def compiler(graph: fx.GraphModule, inputs: Any) -> Any:

@@ -542,10 +542,11 @@ class _CheckpointedBlocksTransformer(Transformer):
 def _whole_model_where_dynamos_body_reuse_stops(case: str):
     """[Note: where Dynamo's body reuse stops] in module.py: twelve blocks of twelve structures
     (Dynamo keeps at most 8 reuse entries by default), and ``dynamic=True`` (every dim symbolic);
-    [Note: a block whose body graph-breaks]; blocks called under activation checkpointing."""
+    [Note: a block whose body graph-breaks]; blocks called under activation checkpointing, as regions
+    and, under ``dynamic=True``, inline ([Note: saved RNG states before opaque objects] in backend.py)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model_class = _CheckpointedBlocksTransformer if case == "checkpoint_around_blocks" else Transformer
+    model_class = _CheckpointedBlocksTransformer if case.endswith("checkpoint_around_blocks") else Transformer
     layers = {"twelve_structures": 12, "dynamic": 3}.get(case, 2)
     reference = model_class(TransformerConfig(vocab_size=32, dim=16, n_layers=layers, n_heads=2, max_seq_len=16))
     if case == "twelve_structures":
@@ -554,7 +555,7 @@ def _whole_model_where_dynamos_body_reuse_stops(case: str):
         reference.layers = nn.ModuleList(_BreakingBlock(i) for i in range(3))
     eager, compiled = _shard(copy.deepcopy(reference), MixedPrecisionPolicy()), _shard(copy.deepcopy(reference), MixedPrecisionPolicy())
     body_traces_before = len(compilation_time_metrics.get("invoke_subgraph_trace", []))
-    runner = torch.compile(compiled, backend="fsdp_aot_eager", dynamic=True if case == "dynamic" else None)
+    runner = torch.compile(compiled, backend="fsdp_aot_eager", dynamic=True if case.startswith("dynamic") else None)
     seqs = (12, 8, 12)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -568,7 +569,9 @@ def _whole_model_where_dynamos_body_reuse_stops(case: str):
     }
 
 
-@pytest.mark.parametrize("case", ["twelve_structures", "dynamic", "body_graph_breaks", "checkpoint_around_blocks"])
+@pytest.mark.parametrize(
+    "case", ["twelve_structures", "dynamic", "body_graph_breaks", "checkpoint_around_blocks", "dynamic_checkpoint_around_blocks"],
+)
 def test_whole_model_where_dynamos_body_reuse_stops_traces_each_block_and_trains_like_eager(dist, case):
     result = dist.run(2, _whole_model_where_dynamos_body_reuse_stops, case)[0]
     for eager, compiled in zip(result["eager_losses"], result["compiled_losses"]):
