@@ -3,8 +3,8 @@
 module's parameters were gathered holds their unsharded copies (``model.parameters()`` returns what
 the module registers: after a forward without backward, under ``no_grad`` or ``inference_mode``,
 the root keeps its parameters gathered, as FSDP2 does). Either way its ``step()`` would update
-tensors that get no gradient, silently training nothing (PyTorch FSDP2 trains those parameters
-silently wrong).
+tensors that get no gradient, and those parameters would not train (PyTorch FSDP2 lets both
+happen without a word).
 
 ``fully_shard`` marks every parameter it replaces (and ``replace_sharded_param`` every shard it
 replaces), and each unsharded copy is marked when made; one global optimizer step pre-hook refuses
