@@ -345,9 +345,9 @@ def _evaluated_first_then_trained(grad_mode: str):
 
 @pytest.mark.parametrize("grad_mode", ["no_grad", "inference_mode"])
 def test_an_optimizer_built_after_an_evaluation_forward_is_refused_until_reshard_then_trains(dist, grad_mode):
-    """PyTorch FSDP2 (torch 2.13) trains the root's parameters silently wrong here (their unsharded
-    copies get no gradient), and after an inference-mode forward fails: "Inplace update to inference
-    tensor outside InferenceMode"."""
+    """PyTorch FSDP2 (torch 2.13) leaves the root's parameters untrained here without a word (the
+    optimizer holds their unsharded copies, which get no gradient), and after an inference-mode
+    forward fails: "Inplace update to inference tensor outside InferenceMode"."""
     result = dist.run(2, _evaluated_first_then_trained, grad_mode)[0]
     refused = result["while gathered"]
     assert isinstance(refused, str) and "SGD.step() would update the unsharded copy of 'b.weight'" in refused, result
