@@ -153,10 +153,11 @@ def _saved_values_in_runtime_order(forward: fx.GraphModule, backward: fx.GraphMo
     output = next(iter(forward.graph.find_nodes(op="output")))
     outputs = list(output.args[0])
     saved = outputs[num_fwd_outputs:]
-    order = sorted(range(len(saved)), key=lambda i: runtime_rank(saved[i]))
+    ranks = [runtime_rank(node) for node in saved]
+    order = sorted(range(len(saved)), key=ranks.__getitem__)
     if order == list(range(len(saved))):
         return
-    not_symints = [node for node in saved if runtime_rank(node) != 3]
+    not_symints = [node for node, rank in zip(saved, ranks) if rank != 3]
     placeholders = list(backward.graph.find_nodes(op="placeholder"))
     num_symints = len(saved) - len(not_symints)
     taken = placeholders[num_symints : num_symints + len(not_symints)]
@@ -446,6 +447,11 @@ def _compile_with_inductor(
         return compile_fx(gm, example_inputs, config_patches=config_patches)
 
 
+def _asks_for_settings(mode: str | None, options: dict[str, Any] | None) -> bool:
+    """Whether torch.compile's ``mode`` / ``options`` ask for anything beyond Inductor's defaults."""
+    return bool((mode and mode != "default") or options)
+
+
 # [Note: torch.compile's mode and options under fsdp_inductor]
 # torch.compile hands a named backend its mode= and options= as keyword arguments; fsdp_inductor
 # turns them into Inductor config patches as torch does for backend="inductor" (same modes, same
@@ -460,7 +466,7 @@ def _settings_from_torch_compile(
     mode: str | None, options: dict[str, Any] | None, pinned: dict[str, tuple[Any, str]],
 ) -> dict[str, Any]:
     """torch.compile's ``mode`` / ``options`` as Inductor config patches; see the note above."""
-    if (not mode or mode == "default") and not options:
+    if not _asks_for_settings(mode, options):
         return {}
     asked = ", ".join(part for part in (f"mode={mode!r}" if mode else "", f"options={options!r}" if options else "") if part)
     try:
@@ -553,7 +559,7 @@ def fsdp_aot_eager(
     For debugging and graph tests: no code generation, the same forward/backward split. It has no
     code generator for torch.compile's ``mode`` / ``options`` to configure, so it refuses them.
     """
-    if (mode and mode != "default") or options:
+    if _asks_for_settings(mode, options):
         raise ValueError(
             f"fsdp_aot_eager runs its graphs without code generation, so torch.compile's mode={mode!r} / "
             f"options={options!r} configure nothing: leave them out, or compile with backend='fsdp_inductor'."

@@ -63,6 +63,12 @@ def _param_gap(a, b) -> float:
 # --- per block: block.compile(backend="fsdp_inductor") --------------------------------------------
 
 
+def _compile_each_layer_in_place(model: nn.Module, **compile_kwargs) -> None:
+    """torchtitan's ``apply_compile``: each layer replaced by ``torch.compile(layer)`` (before fully_shard)."""
+    for index, block in enumerate(model.layers):
+        model.layers.register_module(str(index), torch.compile(block, **compile_kwargs))
+
+
 def _per_block(case: str, param_dtype_name: str | None):
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
@@ -72,8 +78,7 @@ def _per_block(case: str, param_dtype_name: str | None):
     eager, compiled = _shard(copy.deepcopy(reference), policy), copy.deepcopy(reference)
     if case == "compiled_before_sharding":
         # torchtitan's apply_compile runs before fully_shard: fully_shard takes the compiled blocks.
-        for index, block in enumerate(compiled.layers):
-            compiled.layers.register_module(str(index), torch.compile(block, backend="fsdp_inductor", fullgraph=True))
+        _compile_each_layer_in_place(compiled, backend="fsdp_inductor", fullgraph=True)
     compiled = _shard(compiled, policy)
     previous_limit = torch._dynamo.config.recompile_limit
     if case == "recompile_limit_1":
@@ -420,8 +425,7 @@ def _whole_model_over_compiled_blocks(form: str):
     reference = TinyLM(n_layers=3)
     eager, compiled = _shard(copy.deepcopy(reference), MixedPrecisionPolicy()), copy.deepcopy(reference)
     if form == "compiled_before_sharding":
-        for index, block in enumerate(compiled.layers):
-            compiled.layers.register_module(str(index), torch.compile(block, backend="fsdp_aot_eager"))
+        _compile_each_layer_in_place(compiled, backend="fsdp_aot_eager")
     compiled = _shard(compiled, MixedPrecisionPolicy())
     if form == "block_compile":
         for block in compiled.layers:
