@@ -697,6 +697,7 @@ def fully_shard(
     device = mesh_device(mesh)
     label = type(modules[0]).__name__
     post_forward_size = _check_reshard_after_forward(reshard_after_forward, info, label)
+    _refuse_pytorch_fsdp(modules, label)
     params, refs = _collect_params(modules, {id(p) for p in ignored_params or ()})
     _check_params(params, refs, device, label)
     _check_comm_policy(comm_policy, post_forward_size, label)
@@ -865,6 +866,24 @@ def _collect_params(
     for index, module in enumerate(modules):
         visit(module, "" if len(modules) == 1 else f"[{index}].")
     return params, refs
+
+
+def _refuse_pytorch_fsdp(modules: tuple[nn.Module, ...], label: str) -> None:
+    """A module PyTorch's FSDP (fully_shard or FullyShardedDataParallel) already manages holds
+    parameters in that library's layout, which ours would shard a second time: refused by name."""
+    from torch.distributed.fsdp import FSDPModule as PyTorchFSDPModule, FullyShardedDataParallel
+
+    for index, module in enumerate(modules):
+        for name, submodule in module.named_modules():
+            if isinstance(submodule, (PyTorchFSDPModule, FullyShardedDataParallel)):
+                where = f"submodule '{name}'" if name else "the module itself"
+                if len(modules) > 1:
+                    where += f" of item {index}"
+                raise ValueError(
+                    f"fully_shard({label}): {where} ({type(submodule).__name__}) is already sharded by PyTorch's FSDP "
+                    "(torch.distributed.fsdp); one model takes one FSDP. Apply fsdp_compile.fully_shard to that module "
+                    "too (from fsdp_compile import fully_shard), blocks first, then the model."
+                )
 
 
 def _check_params(params: list[nn.Parameter], refs: dict[int, list[ParamRef]], device: torch.device, label: str) -> None:

@@ -587,6 +587,13 @@ def _error_before_any_collective(case: str) -> RefusedCall:
                 fully_shard(module)
                 calls.clear()
                 copy.deepcopy(module)
+            elif case == "pytorch_fsdp_inside":  # blocks sharded by torch's fully_shard, the model by ours
+                from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+                model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+                torch_fully_shard(model[0])
+                calls.clear()
+                fully_shard(model)
             else:
                 raise AssertionError(case)
         except Exception as error:  # noqa: BLE001 - the test asserts on it
@@ -602,6 +609,7 @@ def _error_before_any_collective(case: str) -> RefusedCall:
         ("unnamed_2d_mesh", "ValueError", ["2-D mesh", "mesh_dim_names"]),
         ("twice", "ValueError", ["already applied", "once per module"]),
         ("deepcopy", "RuntimeError", ["deepcopy", "state_dict"]),
+        ("pytorch_fsdp_inside", "ValueError", ["submodule '0'", "PyTorch's FSDP", "fsdp_compile.fully_shard"]),
     ],
 )
 def test_mistakes_fsdp2_refuses_are_refused_before_any_collective(dist, case, error, words):
