@@ -697,8 +697,7 @@ def fully_shard(
     device = mesh_device(mesh)
     label = type(modules[0]).__name__
     post_forward_size = _check_reshard_after_forward(reshard_after_forward, info, label)
-    _refuse_pytorch_fsdp(modules, label)
-    params, refs = _collect_params(modules, {id(p) for p in ignored_params or ()})
+    params, refs = _collect_params(modules, {id(p) for p in ignored_params or ()}, label)
     _check_params(params, refs, device, label)
     _check_comm_policy(comm_policy, post_forward_size, label)
     shard_dims = [_shard_dim(param, refs[id(param)][0].fqn, shard_placement_fn, info, label) for param in params]
@@ -840,16 +839,28 @@ def _check_reshard_after_forward(value: bool | int | None, info: MeshInfo, label
 
 
 def _collect_params(
-    modules: tuple[nn.Module, ...], ignored: set[int]
+    modules: tuple[nn.Module, ...], ignored: set[int], label: str
 ) -> tuple[list[nn.Parameter], dict[int, list[ParamRef]]]:
     """Parameters of ``modules`` not owned by an earlier fully_shard on a submodule, with every
-    place each is registered (tied parameters appear under several names)."""
+    place each is registered (tied parameters appear under several names).
+
+    A module PyTorch's own FSDP (fully_shard or FullyShardedDataParallel) manages holds parameters
+    in that library's layout, which ours would shard a second time: refused by name on the way."""
+    from torch.distributed.fsdp import FSDPModule as PyTorchFSDPModule, FullyShardedDataParallel
+
     params: list[nn.Parameter] = []
     refs: dict[int, list[ParamRef]] = {}
     seen_slots: set[tuple[int, str]] = set()
     root_ids = {id(m) for m in modules}
 
     def visit(module: nn.Module, prefix: str) -> None:
+        if isinstance(module, (PyTorchFSDPModule, FullyShardedDataParallel)):
+            where = f"submodule '{prefix.rstrip('.')}'" if prefix else "the module itself"
+            raise ValueError(
+                f"fully_shard({label}): {where} ({type(module).__name__}) is already sharded by PyTorch's FSDP "
+                "(torch.distributed.fsdp); one model takes one FSDP. Apply fsdp_compile.fully_shard to that module "
+                "too (from fsdp_compile import fully_shard), blocks first, then the model."
+            )
         for name, param in module._parameters.items():
             if param is None or id(param) in ignored or (id(module), name) in seen_slots:
                 continue
@@ -866,24 +877,6 @@ def _collect_params(
     for index, module in enumerate(modules):
         visit(module, "" if len(modules) == 1 else f"[{index}].")
     return params, refs
-
-
-def _refuse_pytorch_fsdp(modules: tuple[nn.Module, ...], label: str) -> None:
-    """A module PyTorch's FSDP (fully_shard or FullyShardedDataParallel) already manages holds
-    parameters in that library's layout, which ours would shard a second time: refused by name."""
-    from torch.distributed.fsdp import FSDPModule as PyTorchFSDPModule, FullyShardedDataParallel
-
-    for index, module in enumerate(modules):
-        for name, submodule in module.named_modules():
-            if isinstance(submodule, (PyTorchFSDPModule, FullyShardedDataParallel)):
-                where = f"submodule '{name}'" if name else "the module itself"
-                if len(modules) > 1:
-                    where += f" of item {index}"
-                raise ValueError(
-                    f"fully_shard({label}): {where} ({type(submodule).__name__}) is already sharded by PyTorch's FSDP "
-                    "(torch.distributed.fsdp); one model takes one FSDP. Apply fsdp_compile.fully_shard to that module "
-                    "too (from fsdp_compile import fully_shard), blocks first, then the model."
-                )
 
 
 def _check_params(params: list[nn.Parameter], refs: dict[int, list[ParamRef]], device: torch.device, label: str) -> None:

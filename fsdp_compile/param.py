@@ -272,9 +272,14 @@ class FSDPParam:
             data = torch.empty(self.layout.shape, dtype=self.param_dtype, device=self.device)
             data.untyped_storage().resize_(0)
             value = data if self.tensor_parallel is None else self.tensor_parallel.unsharded(data)
-            self._unsharded_param = nn.Parameter(value, requires_grad=self.sharded_param.requires_grad)
-            mark_unsharded(self._unsharded_param, self.fqn)
+            self._set_unsharded_param(value)
         return self._unsharded_param
+
+    def _set_unsharded_param(self, value: torch.Tensor) -> None:
+        """The unsharded parameter over ``value``, marked for the optimizer check (an optimizer
+        holding it would train nothing once the module is resharded)."""
+        self._unsharded_param = nn.Parameter(value, requires_grad=self.sharded_param.requires_grad)
+        mark_unsharded(self._unsharded_param, self.fqn)
 
     def _unsharded_storage_tensor(self) -> torch.Tensor:
         """The plain tensor whose storage the unsharded parameter lives in: itself, or with tensor
@@ -396,8 +401,7 @@ class FSDPParam:
                 f"parameter's shape is {tuple(self.orig_size)}"
             )
         self._extension_inner_tensors = list(inner)
-        self._unsharded_param = nn.Parameter(unsharded, requires_grad=self.sharded_param.requires_grad)
-        mark_unsharded(self._unsharded_param, self.fqn)
+        self._set_unsharded_param(unsharded)
 
     # --- state transitions ----------------------------------------------------------------
     def to_unsharded(self) -> None:
