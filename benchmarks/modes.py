@@ -33,7 +33,7 @@ _PASSES = {
     "ours-compiled-nopasses": PassConfig(bucket=False, reorder=False),
     **{name: PassConfig() for name in COMM_POLICY_MODES if name.startswith("ours-compiled-")},
 }
-COMPILED = frozenset({"ours-fallback", "ours-blockcompile", "torch-blockcompile", "torch-compiled", *_PASSES})
+COMPILED = frozenset({"ours-fallback", "ours-compiled-frames", "ours-blockcompile", "torch-blockcompile", "torch-compiled", *_PASSES})
 
 
 @dataclass
@@ -94,14 +94,19 @@ def _shard(model: Transformer, fully_shard, policy, **kwargs) -> Transformer:
     return model
 
 
-@contextlib.contextmanager
-def _skip_fsdp_hooks():
-    previous = fsdp_compile.config.skip_fsdp_hooks
-    fsdp_compile.config.skip_fsdp_hooks = True
-    try:
-        yield
-    finally:
-        fsdp_compile.config.skip_fsdp_hooks = previous
+def _config_switch(name: str) -> Callable[[], ContextManager]:
+    """A context that turns ``fsdp_compile.config.<name>`` on while it is open."""
+
+    @contextlib.contextmanager
+    def switched_on():
+        previous = getattr(fsdp_compile.config, name)
+        setattr(fsdp_compile.config, name, True)
+        try:
+            yield
+        finally:
+            setattr(fsdp_compile.config, name, previous)
+
+    return switched_on
 
 
 def build_mode(name: str, config: TransformerConfig, device: torch.device, seed: int, lr: float, bf16: bool, tp: int = 1) -> Mode:
@@ -123,6 +128,11 @@ def build_mode(name: str, config: TransformerConfig, device: torch.device, seed:
             # One backend object per mode: Dynamo would otherwise hand a later mode the graph (and
             # passes) compiled for an earlier one, the model class being the same.
             runnable = torch.compile(model, backend=fsdp_inductor_with(_PASSES[name]))
+        elif name == "ours-compiled-frames":
+            # Each block a Dynamo frame of its own (fsdp_compile.config.compile_blocks_as_frames), on
+            # only during this mode's steps; its own backend object, as for the modes above.
+            step_context = _config_switch("compile_blocks_as_frames")
+            runnable = torch.compile(model, backend=fsdp_inductor_with(PassConfig()))
         elif name == "ours-blockcompile":
             # torchtitan's per-block recipe on ours: each block's forward compiled alone, the eager
             # hooks around it (FSDPModule.compile); identical blocks share one graph.
@@ -130,7 +140,7 @@ def build_mode(name: str, config: TransformerConfig, device: torch.device, seed:
                 block.compile(backend="fsdp_inductor")
         elif name == "ours-fallback":
             # The FSDP hooks run eagerly between compiled regions; the flag is on only during this mode's steps.
-            step_context = _skip_fsdp_hooks
+            step_context = _config_switch("skip_fsdp_hooks")
             runnable = torch.compile(model, backend="inductor")
     elif name in ("torch-eager", "torch-blockcompile", "torch-compiled"):
         from torch.distributed.fsdp import fully_shard as torch_fully_shard

@@ -294,6 +294,20 @@ def _fsdp_backend(backend: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @torch._dynamo.assume_constant_result
+def traced_without_graph_breaks() -> bool:
+    """Read while Dynamo traces: whether this trace may not break the graph (``fullgraph=True``,
+    ``torch._dynamo.error_on_graph_break``). Blocks compiled as frames break it at each block, so
+    under such a trace they are regions instead ([Note: blocks compiled as frames] in module.py)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+    except Exception:  # not under Dynamo's tracer
+        return False
+    return bool(getattr(tx, "one_graph", False) or getattr(tx, "error_on_graph_break", False))
+
+
+@torch._dynamo.assume_constant_result
 def traced_for_an_fsdp_backend() -> bool:
     """Read while Dynamo traces FSDP parameter reads: whether the graph goes to one of our backends.
 
@@ -380,12 +394,16 @@ def admit_traced_parameters(gm: fx.GraphModule) -> None:
     and a local shard with FSDP2's all-gather extension (``fsdp_pre_all_gather``): the traced
     unshard gathers the shard itself and would silently lose the extension.
     """
+    from fsdp_compile import state as state_module
     from fsdp_compile.passes.graph import PARAM_KEY, STATE_KEY, fsdp_annotation
-    from fsdp_compile.state import live_states
 
     traced = {(a[STATE_KEY], a[PARAM_KEY]) for node in gm.graph.nodes if (a := fsdp_annotation(node)) is not None}
-    for state in live_states():
-        read = [p for p in state.group.fsdp_params if (state.trace_token, p.fqn) in traced] if state.group is not None else []
+    # A block compiled as a frame is named in its graph by a token every such block shares: the block
+    # is the one whose frame Dynamo is tracing ([Note: blocks compiled as frames] in module.py).
+    block_frame = state_module.block_frame_in_trace()
+    for state in state_module.live_states():
+        token = state_module.BLOCK_FRAME_TOKEN if state is block_frame else state.trace_token
+        read = [p for p in state.group.fsdp_params if (token, p.fqn) in traced] if state.group is not None else []
         if not read:
             continue
         state.outermost().runs_compiled = True

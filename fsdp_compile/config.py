@@ -7,7 +7,7 @@ Set them as module attributes before the code they affect runs::
 """
 from __future__ import annotations
 
-__all__ = ["skip_fsdp_hooks", "graph_check_timeout_s", "compile_blocks_once"]
+__all__ = ["skip_fsdp_hooks", "graph_check_timeout_s", "compile_blocks_once", "compile_blocks_as_frames"]
 
 # Under torch.compile, run the FSDP hooks eagerly between compiled regions (graph breaks)
 # instead of tracing collectives into the graph. Numerics equal the eager runtime.
@@ -22,6 +22,13 @@ graph_check_timeout_s: float = 300.0
 # module.py). False, or another backend (backend.traced_for_an_fsdp_backend): every block is traced
 # and compiled inline, as one graph.
 compile_blocks_once: bool = True
+
+# Under fsdp_inductor (and fsdp_aot_eager), a whole-model torch.compile compiles each block as a Dynamo
+# frame of its own, its group's all-gathers and reduce-scatter in its graph, one graph for all identical
+# blocks: compile time stays flat with depth, but no collective crosses a block boundary (no prefetch of
+# the next block's parameters in the graph). Takes precedence over compile_blocks_once's regions; see
+# [Note: blocks compiled as frames] in module.py.
+compile_blocks_as_frames: bool = False
 
 
 # --- Graph passes of backend="fsdp_inductor" / "fsdp_aot_eager" (DESIGN.md section 5) ---------------

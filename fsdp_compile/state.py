@@ -12,6 +12,7 @@ post-backward missed (modules whose inputs need no grad), waits and resets the s
 from __future__ import annotations
 
 import itertools
+import warnings
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +22,7 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from fsdp_compile import config
 from fsdp_compile.api import BackwardPrefetch, MixedPrecisionPolicy
-from fsdp_compile.backend import traced_for_an_fsdp_backend
+from fsdp_compile.backend import traced_for_an_fsdp_backend, traced_without_graph_breaks
 from fsdp_compile.comm_context import CommContext
 from fsdp_compile.param_group import FSDPParamGroup, TrainingState
 from fsdp_compile.structures import map_tensors, tensors_in
@@ -37,6 +38,24 @@ _live_states: "weakref.WeakSet[FSDPState]" = weakref.WeakSet()
 _trace_tokens = itertools.count()
 # Bumped by every new FSDPState: a cached walk of a model's states is stale after it.
 _states_generation = 0
+
+# The trace token of every block compiled as a frame; which block's frame Dynamo traces now is
+# ``block_frame_in_trace()`` (set eagerly by FSDPState.enter_block_frame).
+BLOCK_FRAME_TOKEN = -1
+_block_frame_in_trace: "weakref.ref[FSDPState] | None" = None
+# Roots whose explicit prefetch lists were checked at their first block frame (told once).
+_roots_told_of_frames_prefetch: "weakref.WeakSet[FSDPState]" = weakref.WeakSet()
+
+
+def _blocks_as_frames_in_this_trace() -> bool:
+    """``config.compile_blocks_as_frames``, unless the trace may not break the graph (fullgraph=True),
+    where blocks are regions as before ([Note: blocks compiled as frames] in module.py)."""
+    return config.compile_blocks_as_frames and not traced_without_graph_breaks()
+
+
+def block_frame_in_trace() -> "FSDPState | None":
+    """The block whose frame was entered last (``FSDPState.enter_block_frame``), if it is alive."""
+    return _block_frame_in_trace() if _block_frame_in_trace is not None else None
 
 
 def live_states() -> list["FSDPState"]:
@@ -157,6 +176,7 @@ class FSDPState:
         # skip_fsdp_hooks: see [Note: the eager fallback's graph breaks] in module.py.
         self.eager_pre_forward = torch._dynamo.disable(self._pre_forward, recursive=True)
         self.eager_post_forward = torch._dynamo.disable(self._post_forward, recursive=True)
+        self.eager_enter_block_frame = torch._dynamo.disable(self.enter_block_frame, recursive=True)
         for module in modules:
             module.__dict__[_STATE_ATTR] = self
             module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
@@ -167,6 +187,11 @@ class FSDPState:
         self._tree_states: tuple[int, list[FSDPState]] | None = None
         # Names this state in the annotations of traced nodes (admit_traced_parameters in backend.py).
         self.trace_token = next(_trace_tokens)
+        # Names a block compiled as a frame in its graph: the same for every block of its class, so
+        # one graph serves them all ([Note: blocks compiled as frames] in module.py).
+        self.frame_label = f"{type(modules[0]).__name__} (block frame)"
+        # The unsharded parameters of this forward's first read, by FQN (unsharded_across_frames).
+        self.frame_handoff: dict[str, torch.Tensor] = {}
 
     @property
     def reshards_after_forward(self) -> bool:
@@ -185,13 +210,87 @@ class FSDPState:
         while it trains: a region's body may not write its buffers in place under autograd (torch
         2.13's invoke_subgraph refuses it, and the compile failed); that block is traced inline.
         Only our backends compile regions correctly (``backend.traced_for_an_fsdp_backend``)."""
-        # Plain flags set by fully_shard: read under Dynamo, they guard on values that are the same
-        # for every block, never on a block's identity (per-block compile shares one graph).
         return (
-            config.compile_blocks_once and self.has_group and self.has_outer and self.single_module and self.is_leaf
-            and not self.per_block_compiled and torch._dynamo.config.assume_static_by_default
-            and not (self.keeps_running_stats and self.modules[0].training) and traced_for_an_fsdp_backend()
+            config.compile_blocks_once and not _blocks_as_frames_in_this_trace() and self._is_block()
+            and torch._dynamo.config.assume_static_by_default and not (self.keeps_running_stats and self.modules[0].training)
+            and traced_for_an_fsdp_backend()
         )
+
+    @property
+    def compiles_as_frame(self) -> bool:
+        """Whether this block's forward is compiled as a Dynamo frame of its own, with its group's
+        collectives in its graph and nothing in the trace that tells blocks apart
+        (``config.compile_blocks_as_frames``; see [Note: blocks compiled as frames] in module.py)."""
+        return _blocks_as_frames_in_this_trace() and self._is_block() and traced_for_an_fsdp_backend()
+
+    def _is_block(self) -> bool:
+        """A fully_shard module inside another, with none inside it and one module in its group, not
+        compiled per block. Plain flags set by fully_shard: read under Dynamo, they guard on values
+        that are the same for every block, never on a block's identity."""
+        return self.has_group and self.has_outer and self.single_module and self.is_leaf and not self.per_block_compiled
+
+    @property
+    def gathers_once_across_frames(self) -> bool:
+        """Whether this group's reads trace ``unsharded_across_frames``: a group other than a block
+        (the root) while blocks compile as frames, whose forward those frames split into several graphs."""
+        return _blocks_as_frames_in_this_trace() and self.has_group and not self._is_block() and traced_for_an_fsdp_backend()
+
+    def reads_across_frames_eagerly(self) -> bool:
+        """Whether an eager read of this group's parameter (its frame run eagerly, its hooks standing
+        aside in a compiled graph) takes ``unsharded_across_frames``, blocks compiled as frames."""
+        return config.compile_blocks_as_frames and self.has_group and not self._is_block() and self.hooks_stood_aside()
+
+    def stands_aside_for_frames(self) -> bool:
+        """Whether a hook Dynamo runs eagerly (it gave up on the hook's own frame, which blocks
+        compiled as frames make of each hook) does what its traced form does: the model runs
+        compiled (its root's hooks stood aside), no eager hook ran for this group in this forward,
+        and this is not a checkpoint's recompute in backward. The block's frame, or the reads of the
+        groups outside blocks (``unsharded_across_frames``), gather and reduce instead."""
+        root = self.outermost()
+        return (
+            config.compile_blocks_as_frames and not config.skip_fsdp_hooks and self.training_state is TrainingState.IDLE
+            and root.runs_compiled and root.training_state is TrainingState.IDLE and torch._C._current_graph_task_id() == -1
+        )
+
+    def unsharded_across_frames(self, fsdp_param: "FSDPParam") -> torch.Tensor:
+        """``fsdp_param``'s unsharded parameter under ``compile_blocks_as_frames``: the group's first
+        read in a forward traces the whole group's unshard (one all-gather, and in backward one
+        reduce-scatter, as eagerly), and every later read takes what it gathered, in whichever graph
+        it comes. The root's pre- and post-forward empty ``frame_handoff``; see [Note: blocks compiled
+        as frames] in module.py."""
+        handoff = self.frame_handoff
+        if fsdp_param.fqn not in handoff:
+            group = self.group
+            assert group is not None
+            for member, unsharded in zip(group.fsdp_params, self.traced_unshard(group.fsdp_params)):
+                handoff[member.fqn] = unsharded
+        return handoff[fsdp_param.fqn]
+
+    def _begin_frame_handoff(self) -> None:
+        """Root pre- and post-forward under ``compile_blocks_as_frames``: each group gathers afresh
+        in the next forward, and nothing holds this one's unsharded parameters past it."""
+        for state in self.states_in_tree():
+            if state.gathers_once_across_frames:
+                state.frame_handoff = {}
+
+    def enter_block_frame(self) -> None:
+        """Run eagerly where a block compiled as a frame breaks the caller's graph: names the block
+        whose frame Dynamo traces next, for the backend's checks (``admit_traced_parameters``), whose
+        graph carries no block's identity. See [Note: blocks compiled as frames] in module.py."""
+        global _block_frame_in_trace
+        _block_frame_in_trace = weakref.ref(self)
+        root = self.outermost()
+        if root not in _roots_told_of_frames_prefetch:
+            _roots_told_of_frames_prefetch.add(root)
+            explicit = [s.label for s in root.states_in_tree() if s.forward_prefetch or s.backward_prefetch]
+            if explicit:
+                warnings.warn(
+                    f"fsdp_compile: set_modules_to_forward_prefetch / set_modules_to_backward_prefetch on {explicit} have "
+                    "no effect while fsdp_compile.config.compile_blocks_as_frames is on: each block's frame gathers its "
+                    "own parameters when it runs. Turn compile_blocks_as_frames off to have the whole-model graph "
+                    "prefetch, or compile per block (block.compile()), where the eager hooks prefetch.",
+                    stacklevel=2,
+                )
 
     def hooks_stood_aside(self) -> bool:
         """Whether this module's forward runs eagerly while its FSDP hooks were traced into a
@@ -262,6 +361,10 @@ class FSDPState:
         policy = group.comm_policy
         quantize = (policy.all_gather_dtype, policy.block_size) if policy.quantizes_all_gather else None
         reshards = self.reshards_after_forward
+        if self.compiles_as_frame:
+            group_name, token = self.frame_label, BLOCK_FRAME_TOKEN  # one graph for every such block
+        else:
+            group_name, token = group.label, self.trace_token
         unsharded = []
         for fsdp_param in fsdp_params:
             accumulated = deferred = None
@@ -277,7 +380,7 @@ class FSDPState:
                     deferred = fsdp_param.pop_deferred_all_reduce()
             unsharded.append(unshard_for_trace(
                 fsdp_param.sharded_param, fsdp_param.layout, fsdp_param.param_dtype, spec,
-                trace_annotation(group.label, fsdp_param.fqn, reshards, self.trace_token), fsdp_param.accumulation_sink,
+                trace_annotation(group_name, fsdp_param.fqn, reshards, token), fsdp_param.accumulation_sink,
                 group.requires_gradient_sync, accumulated, deferred,
                 fsdp_param.deferred_all_reduce_sink if sinks_deferred else None, quantize, fsdp_param.tensor_parallel,
             ))
@@ -333,12 +436,15 @@ class FSDPState:
 
     # --- forward --------------------------------------------------------------------------------
     def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if torch.compiler.is_compiling():
+        compiling = torch.compiler.is_compiling()
+        if compiling and config.skip_fsdp_hooks:  # FSDPModule.forward runs the hook eagerly
+            return args, kwargs
+        if compiling or self.stands_aside_for_frames():
             # See [Note: parameter reads under torch.compile] in traceable.py.
-            if config.skip_fsdp_hooks:  # FSDPModule.forward runs the hook eagerly
-                return args, kwargs
             if self.outer is None and torch.is_grad_enabled():
                 self._stage_accumulated_grads()
+            if self.outer is None and config.compile_blocks_as_frames:
+                self._begin_frame_handoff()
             return self._cast_forward_inputs(args, kwargs)
         return self._pre_forward(module, args, kwargs)
 
@@ -453,11 +559,14 @@ class FSDPState:
                 target.unshard("forward-prefetch")
 
     def _post_forward_hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        if torch.compiler.is_compiling():
-            if config.skip_fsdp_hooks:  # FSDPModule.forward runs the hook eagerly
-                return output
+        compiling = torch.compiler.is_compiling()
+        if compiling and config.skip_fsdp_hooks:  # FSDPModule.forward runs the hook eagerly
+            return output
+        if compiling or self.stands_aside_for_frames():
             if self.outer is None:
                 self._release_staged_grads()
+                if config.compile_blocks_as_frames:
+                    self._begin_frame_handoff()
             return self._cast_output(output)
         return self._post_forward(module, args, output)
 

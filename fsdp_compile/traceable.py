@@ -278,16 +278,23 @@ def _param_property(name: str) -> property:
     def read(module: torch.nn.Module) -> torch.Tensor:
         fsdp_param, state = module.__dict__[_TRACED_PARAMS_ATTR][name]
         registered = module._parameters[name]
-        if state.per_block_compiled and state.training_state is not TrainingState.IDLE:
+        if (state.per_block_compiled or config.compile_blocks_as_frames) and state.training_state is not TrainingState.IDLE:
             # FSDP2's recipe: the eager hooks around the block's graph registered the unsharded
-            # parameter. IDLE: a compiled caller traced this block with its hooks standing aside
-            # (the whole model compiled over compiled blocks), so its reads trace the unshard below.
+            # parameter (so did hooks Dynamo ran eagerly around a frame of blocks compiled as frames).
+            # IDLE: a compiled caller traced this block with its hooks standing aside (the whole model
+            # compiled over compiled blocks), so its reads trace the unshard below.
             return registered
         if not isinstance(registered, torch.nn.Parameter):  # a block region's input, see module.py
             return registered
         if torch.compiler.is_compiling() and not config.skip_fsdp_hooks:
+            if state.gathers_once_across_frames:
+                return state.unsharded_across_frames(fsdp_param)
             first = fsdp_param.refs[0]
             return state.traced_unshard([fsdp_param], first_place=first.module is module and first.name == name)[0]
+        if state.reads_across_frames_eagerly():
+            # This read runs eagerly (Dynamo gave up on its frame) while the model runs compiled:
+            # the same functional all-gather, run eagerly, or what a graph gathered before it.
+            return state.unsharded_across_frames(fsdp_param)
         return registered
 
     return property(read, doc=f"FSDP-managed parameter '{name}' (see [Note: parameter reads under torch.compile])")

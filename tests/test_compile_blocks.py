@@ -132,12 +132,18 @@ def _steady_state():
         # Recompiles are Dynamo's decision (its guards), the same under either fsdp backend:
         # fsdp_aot_eager spares each of the recompiles below Inductor's code generation.
         block.compile(backend="fsdp_aot_eager")
+    return steady_state_schedule(model, model)
+
+
+def steady_state_schedule(model: nn.Module, runner: nn.Module) -> list[int]:
+    """Dynamo's graph count after each step of: 3 training steps, an evaluation forward, 3 more
+    steps, two new batch sizes, two new sequence lengths (``runner``: the model as it is called)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     graphs = []
 
     def step(rows: int, seq: int, seed: int) -> None:
         tokens = _tokens(rows, seq, seed)
-        next_token_loss(model(tokens), tokens).backward()
+        next_token_loss(runner(tokens), tokens).backward()
         optimizer.step()
         optimizer.zero_grad()
         graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
@@ -146,7 +152,7 @@ def _steady_state():
         step(2, 12, seed)
     model.eval()
     with torch.no_grad():
-        model(_tokens(2, 12, 9))
+        runner(_tokens(2, 12, 9))
     model.train()
     for seed in range(3):
         step(2, 12, seed)

@@ -1,0 +1,230 @@
+"""``config.compile_blocks_as_frames``: a whole-model torch.compile compiles each block as a Dynamo
+frame of its own ([Note: blocks compiled as frames] in fsdp_compile/module.py). One graph serves every
+identical block at any depth, its group's collectives in it; the groups outside blocks still gather and
+reduce once per step; numerics, settings and frames Dynamo runs eagerly behave as in the other modes."""
+from __future__ import annotations
+
+import collections
+import contextlib
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fsdp_compile
+from benchmarks.measure import count_collectives
+from fsdp_compile import MixedPrecisionPolicy
+from fsdp_compile.backend import observe_graphs
+from fsdp_compile.models import Transformer, TransformerConfig
+from fsdp_compile.passes.graph import ALL_GATHER, GROUP_KEY, REDUCE_SCATTER, fsdp_annotation
+from test_compile_blocks import _IndexedBlock, _param_gap, _shard, _tokens, _train, steady_state_schedule
+from test_compile_graphs import _saved_all_gather_outputs
+from test_compiled_settings import _SETTING_CASES, _refused, _setting_case
+
+FRAME = "TransformerBlock (block frame)"
+
+
+@contextlib.contextmanager
+def _blocks_as_frames(recompile_limit: int | None = None):
+    previous = fsdp_compile.config.compile_blocks_as_frames, torch._dynamo.config.recompile_limit
+    fsdp_compile.config.compile_blocks_as_frames = True
+    if recompile_limit is not None:
+        torch._dynamo.config.recompile_limit = recompile_limit
+    try:
+        yield
+    finally:
+        fsdp_compile.config.compile_blocks_as_frames, torch._dynamo.config.recompile_limit = previous
+
+
+def _model(layers: int, distinct_first: bool = False) -> Transformer:
+    torch.manual_seed(0)
+    model = Transformer(TransformerConfig(vocab_size=32, dim=16, n_layers=layers, n_heads=2, max_seq_len=16))
+    if distinct_first:  # another block class first: a structure of its own
+        model.layers[0] = _IndexedBlock(0)
+    return model
+
+
+def _collectives_per_step(model: nn.Module, runner: nn.Module, steps: int) -> list[dict[str, int]]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    counted = []
+    for step in range(steps):
+        tokens = _tokens(2, 12, seed=100 * step + torch.distributed.get_rank())
+        with count_collectives() as counts:
+            runner(tokens).float().logsumexp(-1).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        counted.append({kind: n for kind, n in sorted(counts.items()) if n})
+    return counted
+
+
+def _frames_against_eager(layers: int, backend: str, param_dtype_name: str | None = None, distinct_first: bool = False):
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    policy = MixedPrecisionPolicy(param_dtype=getattr(torch, param_dtype_name) if param_dtype_name else None)
+    reference = _model(layers, distinct_first)
+    eager, compiled = _shard(copy.deepcopy(reference), policy), _shard(copy.deepcopy(reference), policy)
+    with _blocks_as_frames(), observe_graphs() as graphs:
+        runner = torch.compile(compiled, backend=backend)
+        compiled_collectives = _collectives_per_step(compiled, runner, 2)
+        compiled_losses = _train(runner, 2, seed=7)
+    frame_forwards = [g for kind, g in graphs if kind == "forward" and _groups_gathered(g) == {FRAME}]
+    # Forward graphs compiled per block class: each gathers the one group its frame reads.
+    frames_by_class = collections.Counter(
+        group for kind, g in graphs if kind == "forward" for group in _groups_gathered(g) if group.endswith("(block frame)")
+    )
+    frame_backwards = [g for kind, g in graphs if kind == "backward" and FRAME in _groups_gathered(g)]
+    return {
+        "layers": layers,
+        "unique_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+        "frame_forward_graphs": dict(frames_by_class),
+        "frame_saved_gathered": sorted({group for g in frame_forwards for group in _saved_all_gather_outputs(g)}),
+        "frame_backward_reduces": sorted(
+            {fsdp_annotation(n)[GROUP_KEY] for g in frame_backwards for n in g.graph.nodes if n.target is REDUCE_SCATTER and fsdp_annotation(n)}
+        ),
+        "frame_backward_regathers": any(n.target is ALL_GATHER for g in frame_backwards for n in g.graph.nodes),
+        "compiled_collectives": compiled_collectives,
+        "eager_collectives": _collectives_per_step(eager, eager, 2),
+        "compiled_losses": compiled_losses,
+        "eager_losses": _train(eager, 2, seed=7),
+        "param_gap": _param_gap(eager, compiled),
+    }
+
+
+def _groups_gathered(graph: torch.fx.GraphModule) -> set[str]:
+    return {fsdp_annotation(n)[GROUP_KEY] for n in graph.graph.nodes if n.target is ALL_GATHER and fsdp_annotation(n)}
+
+
+def _assert_trains_like_eager(result: dict, tolerance: float) -> None:
+    for eager, compiled in zip(result["eager_losses"], result["compiled_losses"]):
+        assert abs(eager - compiled) <= tolerance * abs(eager), result
+    assert result["param_gap"] < tolerance, result
+
+
+def test_blocks_as_frames_compile_one_graph_for_two_or_twelve_blocks_with_eagers_collectives(dist):
+    shallow, deep = (dist.run(2, _frames_against_eager, layers, "fsdp_aot_eager")[0] for layers in (2, 12))
+    for result in (shallow, deep):
+        _assert_trains_like_eager(result, 1e-5)
+        # One all-gather and one reduce-scatter per group and step, as eagerly: the root, read in the
+        # graphs before and after the blocks' frames, gathers once (and blocks gather again in backward).
+        assert result["compiled_collectives"] == result["eager_collectives"], result
+        assert result["compiled_collectives"][0]["reduce_scatter"] == 1 + result["layers"], result
+        # The block's frame: compiled once, its all-gather in the graph, nothing unsharded saved for
+        # backward (re-gathered there), its reduce-scatter in its backward.
+        assert result["frame_forward_graphs"] == {FRAME: 1}, result
+        assert result["frame_saved_gathered"] == [] and result["frame_backward_regathers"], result
+        assert result["frame_backward_reduces"] == [FRAME], result
+    # Flat with depth: twelve blocks compile no graph more than two.
+    assert deep["unique_graphs"] == shallow["unique_graphs"], (shallow, deep)
+
+
+@pytest.mark.parametrize("backend,param_dtype_name", [("fsdp_aot_eager", None), ("fsdp_inductor", "bfloat16")])
+def test_blocks_as_frames_match_eager_with_a_distinct_first_block(dist, backend, param_dtype_name):
+    result = dist.run(2, _frames_against_eager, 3, backend, param_dtype_name, True)[0]
+    _assert_trains_like_eager(result, 1e-2 if param_dtype_name else 1e-5)
+    assert result["compiled_collectives"] == result["eager_collectives"], result
+    # Two structures, each compiled once: the distinct first block and the two identical ones.
+    assert result["frame_forward_graphs"] == {"_IndexedBlock (block frame)": 1, FRAME: 1}, result
+
+
+# --- frames Dynamo runs eagerly ---------------------------------------------------------------------
+
+
+def _frames_run_eagerly(case: str):
+    torch._dynamo.reset()
+    reference = _model(3)
+    eager, compiled = _shard(copy.deepcopy(reference), MixedPrecisionPolicy()), _shard(copy.deepcopy(reference), MixedPrecisionPolicy())
+    if case == "one_block_disabled":
+        compiled.layers[1].forward = torch.compiler.disable(compiled.layers[1].forward)
+    if case == "explicit_prefetch":
+        compiled.layers[0].set_modules_to_forward_prefetch([compiled.layers[2]])
+    seqs = (12, 12, 8, 6, 12) if case == "recompile_limit_1" else (12, 12)
+    with _blocks_as_frames(recompile_limit=1 if case == "recompile_limit_1" else None):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            runner = torch.compile(compiled, backend="fsdp_aot_eager", dynamic=False, fullgraph=case == "fullgraph")
+            compiled_losses = _train(runner, len(seqs), seqs=seqs)
+    return {
+        "eager_losses": _train(eager, len(seqs), seqs=seqs),
+        "compiled_losses": compiled_losses,
+        "param_gap": _param_gap(eager, compiled),
+        "eager_frames": sorted({str(w.message).split("'")[1] for w in caught if "ran eagerly inside a compiled model" in str(w.message)}),
+        "prefetch_warnings": [str(w.message) for w in caught if "set_modules_to_forward_prefetch" in str(w.message)],
+    }
+
+
+@pytest.mark.parametrize("case", ["one_block_disabled", "recompile_limit_1", "fullgraph", "explicit_prefetch"])
+def test_block_frames_dynamo_runs_eagerly_get_the_eager_hooks_and_train_like_eager(dist, case):
+    """A disabled block, and with ``recompile_limit = 1`` every frame past its first graph (each new
+    sequence length) runs eagerly: with the eager hooks, never a DTensor mixing error. Under
+    ``fullgraph=True``, which allows no graph break, blocks are regions in the one graph instead."""
+    result = dist.run(2, _frames_run_eagerly, case)[0]
+    _assert_trains_like_eager(result, 1e-5)
+    if case == "one_block_disabled":
+        assert "layers.1" in result["eager_frames"] and "layers.0" not in result["eager_frames"], result
+    elif case == "recompile_limit_1":
+        assert result["eager_frames"], result  # named, since its hooks stood aside in the caller's graph
+    else:
+        assert result["eager_frames"] == [], result
+    # An explicit prefetch list, which a block's frame cannot honour, is named once, not ignored.
+    if case == "explicit_prefetch":
+        assert len(result["prefetch_warnings"]) == 1 and "'layers.0'" in result["prefetch_warnings"][0], result
+    else:
+        assert result["prefetch_warnings"] == [], result
+
+
+# --- steady state ---------------------------------------------------------------------------------
+
+
+def _steady_state_of_frames():
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = _shard(_model(2), MixedPrecisionPolicy())
+    with _blocks_as_frames():
+        return steady_state_schedule(model, torch.compile(model, backend="fsdp_aot_eager"))
+
+
+def test_block_frames_steady_state_recompiles_once_per_shape_class_not_per_block(dist):
+    graphs = dist.run(2, _steady_state_of_frames)[0]
+    assert graphs[0] == graphs[2], graphs
+    assert graphs[3] == graphs[5], graphs
+    # A new shape class recompiles each distinct frame once (the root's graphs and the block's), not
+    # once per block: at most as many graphs as the first step compiled.
+    assert graphs[6] - graphs[5] <= graphs[0] and graphs[7] == graphs[6], graphs
+    assert graphs[8] - graphs[7] <= graphs[0] and graphs[9] == graphs[8], graphs
+
+
+# --- settings -------------------------------------------------------------------------------------
+
+
+def _setting_case_with_frames(name: str) -> dict:
+    with _blocks_as_frames():
+        return _setting_case(name)
+
+
+@pytest.mark.parametrize("name", ["set_requires_gradient_sync", "comm_policy"])
+def test_block_frames_honour_settings_as_the_whole_model_graph_does(dist, name):
+    """The settings table's cases (test_compiled_settings.py) with blocks as frames: the same
+    collectives per step as eagerly (no reduce-scatter in the no-sync step) and the same numerics."""
+    case = _SETTING_CASES[name]
+    result = dist.run(case.get("world", 2), _setting_case_with_frames, name)[0]
+    eager, compiled = result["eager"], result["compiled"]
+    assert "error" not in eager and "error" not in compiled, result
+    assert compiled["collectives"] == eager["collectives"] and eager["collectives"][0], result
+    tolerance = case.get("tolerance", 1e-5)
+    for a, b in zip(eager["losses"], compiled["losses"]):
+        assert abs(a - b) <= tolerance * max(1.0, abs(a)), result
+
+
+def _refused_with_frames(setting: str) -> str:
+    with _blocks_as_frames():
+        return _refused(setting)
+
+
+def test_a_setting_a_blocks_frame_cannot_honour_is_refused_naming_it(dist):
+    """Only the blocks hold parameters, and set_reshard_after_backward(False) comes after a first
+    step: the blocks' frame recompiles on the changed setting, and its graph, which does not name
+    the block, is refused for the block that entered it."""
+    for message in dist.run(2, _refused_with_frames, "reshard_after_backward"):
+        assert "fsdp_inductor" in message and "set_reshard_after_backward(False)" in message and "blocks.0" in message, message
