@@ -293,18 +293,24 @@ def _fsdp_backend(backend: Callable[..., Any]) -> Callable[..., Any]:
     return backend
 
 
+def _dynamo_tracer() -> Any:
+    """Dynamo's tracer of the frame being traced, or None outside its trace (make_fx, export of a
+    traced graph, eager code)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        return InstructionTranslator.current_tx()
+    except Exception:
+        return None
+
+
 @torch._dynamo.assume_constant_result
 def traced_without_graph_breaks() -> bool:
     """Read while Dynamo traces: whether this trace may not break the graph (``fullgraph=True``,
     ``torch._dynamo.error_on_graph_break``). Blocks compiled as frames break it at each block, so
     under such a trace they are regions instead ([Note: blocks compiled as frames] in module.py)."""
-    try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-
-        tx = InstructionTranslator.current_tx()
-    except Exception:  # not under Dynamo's tracer
-        return False
-    return bool(getattr(tx, "one_graph", False) or getattr(tx, "error_on_graph_break", False))
+    tx = _dynamo_tracer()
+    return tx is not None and bool(getattr(tx, "one_graph", False) or getattr(tx, "error_on_graph_break", False))
 
 
 @torch._dynamo.assume_constant_result
@@ -321,12 +327,10 @@ def traced_for_an_fsdp_backend() -> bool:
     Dynamo runs this at trace time and keeps the answer as a constant; its own guard on the backend
     recompiles for another backend.
     """
-    try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-
-        wrapper = InstructionTranslator.current_tx().output.compiler_fn
-    except Exception:  # not under Dynamo's tracer (make_fx, export of a traced graph)
+    tx = _dynamo_tracer()
+    if tx is None:
         return False
+    wrapper = tx.output.compiler_fn
     while hasattr(wrapper, "_torchdynamo_orig_backend"):  # Dynamo's debug and error-catching wrappers
         wrapper = wrapper._torchdynamo_orig_backend
     backend = getattr(wrapper, "compiler_fn", wrapper)  # torch.compile's wrapper of a named backend

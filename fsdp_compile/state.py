@@ -233,12 +233,17 @@ class FSDPState:
     def gathers_once_across_frames(self) -> bool:
         """Whether this group's reads trace ``unsharded_across_frames``: a group other than a block
         (the root) while blocks compile as frames, whose forward those frames split into several graphs."""
-        return _blocks_as_frames_in_this_trace() and self.has_group and not self._is_block() and traced_for_an_fsdp_backend()
+        return _blocks_as_frames_in_this_trace() and self._is_outside_blocks() and traced_for_an_fsdp_backend()
 
     def reads_across_frames_eagerly(self) -> bool:
         """Whether an eager read of this group's parameter (its frame run eagerly, its hooks standing
         aside in a compiled graph) takes ``unsharded_across_frames``, blocks compiled as frames."""
-        return config.compile_blocks_as_frames and self.has_group and not self._is_block() and self.hooks_stood_aside()
+        return config.compile_blocks_as_frames and self._is_outside_blocks() and self.hooks_stood_aside()
+
+    def _is_outside_blocks(self) -> bool:
+        """A group that is no block (the root, a group of several modules, one with blocks inside):
+        blocks compiled as frames split its forward into several graphs."""
+        return self.has_group and not self._is_block()
 
     def stands_aside_for_frames(self) -> bool:
         """Whether a hook Dynamo runs eagerly (it gave up on the hook's own frame, which blocks
@@ -267,10 +272,11 @@ class FSDPState:
         return handoff[fsdp_param.fqn]
 
     def _begin_frame_handoff(self) -> None:
-        """Root pre- and post-forward under ``compile_blocks_as_frames``: each group gathers afresh
-        in the next forward, and nothing holds this one's unsharded parameters past it."""
+        """Root pre- and post-forward under ``compile_blocks_as_frames``, traced or run eagerly (a hook
+        Dynamo gave up on): each group gathers afresh in the next forward, and nothing holds this one's
+        unsharded parameters past it."""
         for state in self.states_in_tree():
-            if state.gathers_once_across_frames:
+            if state._is_outside_blocks():
                 state.frame_handoff = {}
 
     def enter_block_frame(self) -> None:
