@@ -79,7 +79,10 @@ class FSDPModule:
                 state.eager_enter_block_frame()  # a graph break: the rest is the block's own frame
                 if not torch.compiler.is_compiling():  # Dynamo runs that frame eagerly
                     return self._forward_with_eager_hooks(args, kwargs)
-                return super().forward(*args, **kwargs)  # type: ignore[misc]
+                output = super().forward(*args, **kwargs)  # type: ignore[misc]
+                state.frame_prefetched = None  # read: its unsharded parameters go with this graph's end
+                state.prefetch_next_block_frame()  # [Note: prefetch across block frames]
+                return output
             if state.compiles_as_region:
                 unsharded = state.traced_unshard(state.group.fsdp_params)
                 if _takes_flat_arguments(args, kwargs):  # [Note: a block region's flat arguments]
@@ -106,6 +109,7 @@ class FSDPModule:
                 "Numerics are unchanged; its collectives are not part of the compiled graph.",
                 stacklevel=2,
             )
+        state.frame_prefetched = None  # the eager hooks gather it themselves
         args, kwargs = state._pre_forward(self, args, kwargs)
         output = super().forward(*args, **kwargs)  # type: ignore[misc]
         return state._post_forward(self, args, output)
@@ -515,10 +519,30 @@ def _forward_reparametrized(
 # (block_frame_in_trace). The groups outside blocks (the root) are read in several graphs, the
 # frames splitting their forward: the first read in a forward gathers the whole group and hands the
 # unsharded parameters to later graphs (FSDPState.unsharded_across_frames), so each group still
-# gathers and reduces once per step. What a frame cannot do is prefetch: the next block's all-gather
-# is in the next block's graph, so it is not overlapped with this block's compute, and a block's
-# reduce-scatter is waited in its own backward. A frame Dynamo gives up on (recompile limit, a
-# skipped frame) runs with the eager hooks, as any block ([Note: frames Dynamo runs eagerly]).
+# gathers and reduces once per step. Each frame prefetches the next block's all-gather
+# ([Note: prefetch across block frames]). A frame Dynamo gives up on (recompile limit, a skipped
+# frame) runs with the eager hooks, as any block ([Note: frames Dynamo runs eagerly]).
+#
+# [Note: prefetch across block frames]
+# A block's all-gather issued in its own frame could only overlap that block's first ops, so each
+# block frame also all-gathers the next block's parameters (FSDPState.prefetch_next_block_frame,
+# traced after its body; the passes issue it right after the frame's own all-gather is waited on,
+# before its first matmul) and hands the gathered tensors to the next block's frame
+# (FSDPState.frame_prefetched, a Dynamo side effect; the frame lets go of them at its end, so at
+# most two blocks are unsharded at once in forward). The next block's reads trace the usual
+# all_gather_shard op with the prefetched tensor as an input: its autograd formula still
+# reduce-scatters the gradient in the next block's own backward, and the op's forward becomes
+# fsdp_compile::prefetched_gather, which passes/recompute.read_prefetched_gathers rewrites in the
+# joint graph: the forward reads the prefetched tensor (a graph input), and a resharding block's
+# backward all-gathers its shards again instead of saving it. The prefetch is a plain all-gather
+# of the shards, without autograd. The next block is learned eagerly as frames are entered
+# (FSDPState._learn_frame_order: the module tree's order at the first forward, then the order the
+# last forward ran them in). Dynamo guards on whether a block has a next block and whether it takes
+# a prefetch, both the same for every block but the first and the last: a chain of identical blocks
+# compiles three frames (first, middle, last) at any depth. Not prefetched: a block with CommPolicy's
+# quantized all-gather or tensor-parallel parameters (it gathers in its own frame), and the groups
+# outside blocks. Backward prefetch stays within a frame: a block's backward gathers its shards
+# again at its start, and its reduce-scatter is waited at its end.
 _UNBOUNDED_REUSE = (
     {"max_reuse_entries": sys.maxsize} if "max_reuse_entries" in inspect.signature(torch.compiler.nested_compile_region).parameters else {}
 )

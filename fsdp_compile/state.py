@@ -26,7 +26,7 @@ from fsdp_compile.backend import traced_for_an_fsdp_backend, traced_without_grap
 from fsdp_compile.comm_context import CommContext
 from fsdp_compile.param_group import FSDPParamGroup, TrainingState
 from fsdp_compile.structures import map_tensors, tensors_in
-from fsdp_compile.traceable import trace_annotation, unshard_for_trace
+from fsdp_compile.traceable import gather_for_prefetch, trace_annotation, unshard_for_trace
 
 if TYPE_CHECKING:
     from fsdp_compile.param import FSDPParam
@@ -42,6 +42,9 @@ _states_generation = 0
 # The trace token of every block compiled as a frame; which block's frame Dynamo traces now is
 # ``block_frame_in_trace()`` (set eagerly by FSDPState.enter_block_frame).
 BLOCK_FRAME_TOKEN = -1
+# The token of the next block's all-gather that a block frame prefetches: the block the backend
+# admits is ``block_frame_in_trace().next_frame_block`` ([Note: prefetch across block frames]).
+NEXT_BLOCK_FRAME_TOKEN = -2
 _block_frame_in_trace: "weakref.ref[FSDPState] | None" = None
 # Roots whose explicit prefetch lists were checked at their first block frame (told once).
 _roots_told_of_frames_prefetch: "weakref.WeakSet[FSDPState]" = weakref.WeakSet()
@@ -192,6 +195,15 @@ class FSDPState:
         self.frame_label = f"{type(modules[0]).__name__} (block frame)"
         # The unsharded parameters of this forward's first read, by FQN (unsharded_across_frames).
         self.frame_handoff: dict[str, torch.Tensor] = {}
+        # [Note: prefetch across block frames] in module.py. The block whose frame runs after this
+        # one's (learned eagerly by enter_block_frame), its label in this block's graph, and the
+        # gathered parameters (by index in the group) the previous block's graph prefetched for this one.
+        self.next_frame_block: FSDPState | None = None
+        self.next_frame_label = f"{type(modules[0]).__name__} (next block frame)"
+        self.frame_prefetched: list[torch.Tensor] | None = None
+        # On a root: the first block frame entered in a forward, and the last one entered.
+        self._first_frame_block: FSDPState | None = None
+        self._last_frame_block: FSDPState | None = None
 
     @property
     def reshards_after_forward(self) -> bool:
@@ -274,10 +286,61 @@ class FSDPState:
     def _begin_frame_handoff(self) -> None:
         """Root pre- and post-forward under ``compile_blocks_as_frames``, traced or run eagerly (a hook
         Dynamo gave up on): each group gathers afresh in the next forward, and nothing holds this one's
-        unsharded parameters past it."""
+        unsharded parameters past it (nor a prefetch no frame took)."""
         for state in self.states_in_tree():
             if state._is_outside_blocks():
                 state.frame_handoff = {}
+            elif state.frame_prefetched is not None:
+                state.frame_prefetched = None
+
+    def _learn_frame_order(self) -> None:
+        """Eagerly, as this block's frame is entered: the block entered before it in this forward
+        prefetches this one from the next step on. The first forward takes the module tree's order
+        of blocks; a block entered when the first block is entered again ended the last forward."""
+        root = self.outermost()
+        previous = root._last_frame_block
+        if root._first_frame_block is None:
+            root._first_frame_block = self
+            blocks = [state for state in root.states_in_tree() if state._is_block()]
+            for block, following in zip(blocks, blocks[1:]):
+                block.next_frame_block = following
+            if blocks:
+                blocks[-1].next_frame_block = None
+        elif self is root._first_frame_block:
+            if previous is not None and previous.next_frame_block is not None and previous is not self:
+                previous.next_frame_block = None  # it ended the last forward
+        elif previous is not None and previous.next_frame_block is not self:
+            previous.next_frame_block = self
+        root._last_frame_block = self
+
+    def prefetch_next_block_frame(self) -> None:
+        """Traced at the end of this block's frame: all-gather the next block's parameters in this
+        graph (the passes issue it right after this block's own all-gather is waited on) and hand
+        them to the next block's frame; see [Note: prefetch across block frames] in module.py."""
+        following = self.next_frame_block
+        if following is None or not following.takes_prefetched_frame_gathers():
+            return
+        group = following.group
+        assert group is not None
+        spec = group.reduce_spec
+        reshards = following.reshards_after_forward
+        following.frame_prefetched = [
+            gather_for_prefetch(
+                fsdp_param.sharded_param, fsdp_param.layout, fsdp_param.param_dtype, spec,
+                trace_annotation(following.next_frame_label, fsdp_param.fqn, reshards, NEXT_BLOCK_FRAME_TOKEN),
+            )
+            for fsdp_param in group.fsdp_params
+        ]
+
+    def takes_prefetched_frame_gathers(self) -> bool:
+        """Whether the previous block's frame all-gathers this block's parameters for it: a block
+        compiled as a frame, not training its hooks eagerly, without CommPolicy's quantized
+        all-gather or tensor-parallel parameters (those gather in their own frame)."""
+        group = self.group
+        return (
+            self.compiles_as_frame and self.training_state is TrainingState.IDLE and group is not None
+            and not group.comm_policy.quantizes_all_gather and not any(p.tensor_parallel is not None for p in group.fsdp_params)
+        )
 
     def enter_block_frame(self) -> None:
         """Run eagerly where a block compiled as a frame breaks the caller's graph: names the block
@@ -285,6 +348,7 @@ class FSDPState:
         graph carries no block's identity. See [Note: blocks compiled as frames] in module.py."""
         global _block_frame_in_trace
         _block_frame_in_trace = weakref.ref(self)
+        self._learn_frame_order()
         root = self.outermost()
         if root not in _roots_told_of_frames_prefetch:
             _roots_told_of_frames_prefetch.add(root)
@@ -292,9 +356,10 @@ class FSDPState:
             if explicit:
                 warnings.warn(
                     f"fsdp_compile: set_modules_to_forward_prefetch / set_modules_to_backward_prefetch on {explicit} have "
-                    "no effect while fsdp_compile.config.compile_blocks_as_frames is on: each block's frame gathers its "
-                    "own parameters when it runs. Turn compile_blocks_as_frames off to have the whole-model graph "
-                    "prefetch, or compile per block (block.compile()), where the eager hooks prefetch.",
+                    "no effect while fsdp_compile.config.compile_blocks_as_frames is on: each block's frame prefetches "
+                    "the block that ran after it in the last forward, whatever the lists say. Turn compile_blocks_as_frames "
+                    "off to have the whole-model graph place them, or compile per block (block.compile()), where the eager "
+                    "hooks honour them.",
                     stacklevel=2,
                 )
 
@@ -371,6 +436,7 @@ class FSDPState:
             group_name, token = self.frame_label, BLOCK_FRAME_TOKEN  # one graph for every such block
         else:
             group_name, token = group.label, self.trace_token
+        prefetched_gathers = self.frame_prefetched if self.compiles_as_frame else None
         unsharded = []
         for fsdp_param in fsdp_params:
             accumulated = deferred = None
@@ -389,6 +455,7 @@ class FSDPState:
                 trace_annotation(group_name, fsdp_param.fqn, reshards, token), fsdp_param.accumulation_sink,
                 group.requires_gradient_sync, accumulated, deferred,
                 fsdp_param.deferred_all_reduce_sink if sinks_deferred else None, quantize, fsdp_param.tensor_parallel,
+                None if prefetched_gathers is None else prefetched_gathers[fsdp_param.index_in_group],
             ))
         return unsharded
 

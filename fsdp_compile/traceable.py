@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from fsdp_compile.mesh import TensorParallelLayout
 
 __all__ = [
-    "trace_annotation", "unshard_for_trace", "install_traced_param_access", "FSDP_ANNOTATION_KEY",
+    "trace_annotation", "unshard_for_trace", "gather_for_prefetch", "install_traced_param_access", "FSDP_ANNOTATION_KEY",
     "TRACED_OP_DECOMPOSITIONS",
 ]
 
@@ -105,6 +105,23 @@ def _shard_rank_shape(like: torch.Tensor, shard_group_name: str) -> torch.Tensor
     return like.new_empty((), dtype=torch.int64)
 
 
+@torch.library.custom_op("fsdp_compile::prefetched_gather", mutates_args=())
+def _prefetched_gather(
+    prefetched: torch.Tensor, padded_shard: torch.Tensor, param_dtype: torch.dtype, shard_size: int, shard_group_name: str,
+) -> torch.Tensor:
+    """A block frame's gathered parameter that the previous block's graph all-gathered
+    ([Note: prefetch across block frames] in module.py). The joint-graph pass
+    (``passes.recompute.read_prefetched_gathers``) makes the forward read ``prefetched`` and the
+    backward gather ``padded_shard`` again; run as it stands (a backend without that pass), it
+    copies ``prefetched``: an op's output may not alias its input."""
+    return prefetched.clone()
+
+
+@_prefetched_gather.register_fake
+def _prefetched_gather_shape(prefetched: torch.Tensor, *rest: object) -> torch.Tensor:
+    return torch.empty_like(prefetched)
+
+
 def _reduce_over_wire(grad: torch.Tensor, wire_dtype: torch.dtype, shard_size: int, shard_group_name: str) -> torch.Tensor:
     """CommPolicy's gradient wire as graph nodes: all-to-all of the chunks in ``wire_dtype``, then the
     float32 sum of the received rows in rank order, this rank's own chunk unrounded (the eager
@@ -134,7 +151,7 @@ _ALL_GATHER_SHARD_SCHEMA = (
     "(Tensor padded_shard, Tensor? accumulated, Tensor? deferred, Tensor? deferred_sink, ScalarType param_dtype, "
     "ScalarType reduce_dtype, ScalarType grad_dtype, float pre_divide, float post_divide, int shard_size, "
     "ScalarType? wire_dtype, ScalarType? quantize_dtype, int quantize_block_size, str shard_group_name, "
-    "str? replicate_group_name) -> Tensor"
+    "str? replicate_group_name, Tensor? prefetched=None) -> Tensor"
 )
 
 
@@ -143,8 +160,12 @@ def _all_gather_shard_forward(
     deferred_sink: torch.Tensor | None, param_dtype: torch.dtype, reduce_dtype: torch.dtype, grad_dtype: torch.dtype,
     pre_divide: float, post_divide: float, shard_size: int, wire_dtype: torch.dtype | None,
     quantize_dtype: torch.dtype | None, quantize_block_size: int, shard_group_name: str, replicate_group_name: str | None,
+    prefetched: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Padded local shard (orig dtype, dim-0 view) -> gathered [world * chunk, ...] in param_dtype."""
+    """Padded local shard (orig dtype, dim-0 view) -> gathered [world * chunk, ...] in param_dtype;
+    ``prefetched``: what an earlier graph gathered from this shard ([Note: prefetch across block frames])."""
+    if prefetched is not None:
+        return torch.ops.fsdp_compile.prefetched_gather(prefetched, padded_shard, param_dtype, shard_size, shard_group_name)
     quantize = None if quantize_dtype is None else (quantize_dtype, quantize_block_size)
     return _gather(padded_shard, param_dtype, shard_size, shard_group_name, quantize)
 
@@ -163,7 +184,7 @@ def _all_gather_shard_shape(padded_shard: torch.Tensor, accumulated: object, def
 
 def _save_reduction(ctx, inputs: tuple, output: torch.Tensor) -> None:
     (_, accumulated, deferred, deferred_sink, _, ctx.reduce_dtype, ctx.grad_dtype, ctx.pre_divide, ctx.post_divide,
-     ctx.shard_size, ctx.wire_dtype, _, _, ctx.shard_group_name, ctx.replicate_group_name) = inputs
+     ctx.shard_size, ctx.wire_dtype, _, _, ctx.shard_group_name, ctx.replicate_group_name, _) = inputs
     ctx.has_accumulated, ctx.has_deferred = accumulated is not None, deferred is not None
     ctx.defers_all_reduce = deferred_sink is not None
     ctx.save_for_backward(*(t for t in (accumulated, deferred) if t is not None))
@@ -190,7 +211,7 @@ def _reduce_gathered_grad(ctx, grad: torch.Tensor) -> tuple:
         reduced = _functional.wait_tensor(
             _functional.reduce_scatter_tensor(grad.contiguous(), "sum", ctx.shard_size, ctx.shard_group_name)
         )
-    no_grads = (None,) * 11
+    no_grads = (None,) * 12
     if ctx.replicate_group_name is not None:
         if ctx.has_deferred:
             reduced = reduced + saved.pop(0)
@@ -227,6 +248,7 @@ def unshard_for_trace(
     sink: torch.Tensor, requires_gradient_sync: bool, accumulated: torch.Tensor | None,
     deferred: torch.Tensor | None = None, deferred_sink: torch.Tensor | None = None,
     quantize: tuple[torch.dtype, int] | None = None, tensor_parallel: "TensorParallelLayout | None" = None,
+    prefetched: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The full parameter from its sharded DTensor, as traceable functional collectives.
 
@@ -239,25 +261,47 @@ def unshard_for_trace(
     CommPolicy's quantized all-gather, or None. ``tensor_parallel``: a tensor-parallel parameter's
     layout ([Note: FSDP over tensor-parallel parameters] in mesh.py): the gather over dp gives this
     rank's TP piece, returned as the user's DTensor, whose operations trace TP's own collectives.
+    ``prefetched``: the gathered parameter an earlier graph all-gathered (``gather_for_prefetch``),
+    read in place of this graph's own all-gather ([Note: prefetch across block frames] in module.py).
     """
     full = _unshard_local(
         sharded, layout, param_dtype, spec, annotation, sink, requires_gradient_sync, accumulated, deferred, deferred_sink,
-        quantize,
+        quantize, prefetched,
     )
     return full if tensor_parallel is None else tensor_parallel.unsharded(full)
+
+
+def _padded_local(sharded: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
+    """The local shard in the gathered layout's rows, padded to the chunk. Always padded (possibly by
+    0 rows): every rank must trace the same ops (fingerprint check)."""
+    local = layout.to_dim0(sharded.to_local())
+    return _pad_rows(local, layout.chunk - local.shape[0])
+
+
+def gather_for_prefetch(
+    sharded: torch.Tensor, layout: ShardLayout, param_dtype: torch.dtype, spec: ReduceSpec, annotation: dict[str, object],
+) -> torch.Tensor:
+    """The next block's gathered parameter, all-gathered in this block's graph without autograd (its
+    own graph reduces the gradient); see [Note: prefetch across block frames] in module.py."""
+    with fx_traceback.annotate(annotation):
+        return _gather(_padded_local(sharded, layout).detach(), param_dtype, spec.shard_size, spec.shard_group_name)
 
 
 def _unshard_local(
     sharded: torch.Tensor, layout: ShardLayout, param_dtype: torch.dtype, spec: ReduceSpec, annotation: dict[str, object],
     sink: torch.Tensor, requires_gradient_sync: bool, accumulated: torch.Tensor | None,
     deferred: torch.Tensor | None, deferred_sink: torch.Tensor | None, quantize: tuple[torch.dtype, int] | None,
+    prefetched: torch.Tensor | None,
 ) -> torch.Tensor:
     with fx_traceback.annotate(annotation):
-        local = layout.to_dim0(sharded.to_local())
-        # Always pad (possibly by 0 rows): every rank must trace the same ops (fingerprint check).
-        padded = _pad_rows(local, layout.chunk - local.shape[0])
+        padded = _padded_local(sharded, layout)
         if not requires_gradient_sync:
-            gathered = _gather(padded.detach(), param_dtype, spec.shard_size, spec.shard_group_name, quantize)
+            if prefetched is not None:
+                gathered = torch.ops.fsdp_compile.prefetched_gather(
+                    prefetched, padded.detach(), param_dtype, spec.shard_size, spec.shard_group_name,
+                )
+            else:
+                gathered = _gather(padded.detach(), param_dtype, spec.shard_size, spec.shard_group_name, quantize)
             return _AccumulateWithoutSync.apply(layout.full_from_gathered(gathered), sink)
         if accumulated is not None:
             accumulated = layout.to_dim0(accumulated)
@@ -265,7 +309,7 @@ def _unshard_local(
         gathered = torch.ops.fsdp_compile.all_gather_shard(
             padded, accumulated, deferred, deferred_sink, param_dtype, spec.reduce_dtype, spec.grad_dtype, spec.pre_divide,
             spec.post_divide, spec.shard_size, spec.wire_dtype, quantize_dtype, quantize_block_size, spec.shard_group_name,
-            spec.replicate_group_name,
+            spec.replicate_group_name, prefetched,
         )
         return layout.full_from_gathered(gathered)
 

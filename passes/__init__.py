@@ -26,10 +26,15 @@ def apply_post_grad_passes(gm: fx.GraphModule, config) -> fx.GraphModule:
     from fsdp_compile.passes.bucket import bucket_collectives
     from fsdp_compile.passes.dump import dump_graph
     from fsdp_compile.passes.graph import graph_kind
+    from fsdp_compile.passes.recompute import erase_unread_gathers, read_prefetched_gathers
     from fsdp_compile.passes.reorder import reorder_collectives
 
     config = config.resolved()
     kind = graph_kind(gm)
+    # [Note: prefetch across block frames] in fsdp_compile/module.py: an inference graph takes the
+    # prefetched parameters here (a joint graph took them before partitioning).
+    if read_prefetched_gathers(gm.graph) + erase_unread_gathers(gm.graph):
+        gm.recompile()
     dump_graph(gm, kind, "0-input", config)
     gm = bucket_collectives(gm, config)
     dump_graph(gm, kind, "1-after-bucket", config)

@@ -35,7 +35,7 @@ from fsdp_compile.config import PassConfig
 from fsdp_compile.passes.graph import (
     ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BUCKET_KEY, COLLECTIVE_NAMES, COLLECTIVES, COPY_IN, COPY_OUT, FORCE_STRIDE, FSDP_ANNOTATION_KEY, GROUP_KEY,
     GRADIENT_REDUCTIONS, GROUPS_KEY, PARAM_KEY, PARAMS_KEY, REDUCE_SCATTER, RESHARD_AFTER_FORWARD_KEY, STATE_KEY, WAIT, collective_nodes,
-    fsdp_annotation, give_up, single_wait,
+    fsdp_annotation, give_up, new_node, node_value, single_wait,
 )
 
 __all__ = ["bucket_collectives"]
@@ -70,27 +70,6 @@ class _Bucket:
 
     def numel(self) -> int:
         return sum(m.numel for m in self.members)
-
-
-def _val(node: Any) -> Any:
-    return node.meta.get("val") if isinstance(node, fx.Node) else node
-
-
-def _new_node(graph: fx.Graph, target: Any, args: tuple, annotation: dict | None, kwargs: dict | None = None,
-              fake_like: fx.Node | None = None) -> fx.Node:
-    """A call_function node with ``meta["val"]`` computed on the inputs' fake tensors (Inductor needs
-    it); ``fake_like``: a node whose fake mode to use where the node has no tensor inputs."""
-    node = graph.call_function(target, args, kwargs)
-    inputs = node.all_input_nodes or ([fake_like] if fake_like is not None else [])
-    if inputs and all("val" in i.meta for i in inputs):
-        values = fx.node.map_arg(args, _val)
-        fake_mode = torch._guards.detect_fake_mode([i.meta["val"] for i in inputs])
-        if fake_mode is not None:
-            with fake_mode:
-                node.meta["val"] = target(*values, **(kwargs or {}))
-    if annotation is not None:
-        node.meta["custom"] = annotation
-    return node
 
 
 def _bucket_annotation(bucket: _Bucket, kind: str) -> dict:
@@ -208,13 +187,13 @@ def _bucket_all_gather(graph: fx.Graph, bucket: _Bucket) -> bool:
     with graph.inserting_before(anchor):
         shards = [_unpadded_shard(m) for m in bucket.members]
         if len(bucket.members) > 1 and all(shard is not None for shard in shards):
-            copy_in = _new_node(graph, COPY_IN, (shards, [m.numel for m in bucket.members], dtype), annotation)
+            copy_in = new_node(graph, COPY_IN, (shards, [m.numel for m in bucket.members], dtype), annotation)
         else:
-            flats = [_new_node(graph, _aten.reshape.default, (m.collective.args[0], [-1]), annotation) for m in bucket.members]
-            copy_in = _new_node(graph, _aten.cat.default, (flats,), annotation) if len(flats) > 1 else flats[0]
-        gathered = _new_node(graph, ALL_GATHER, (copy_in, world, group_name), annotation)
-        waited = _new_node(graph, WAIT, (gathered,), annotation)
-        rows = _new_node(graph, _aten.view.default, (waited, [world, total]), annotation)
+            flats = [new_node(graph, _aten.reshape.default, (m.collective.args[0], [-1]), annotation) for m in bucket.members]
+            copy_in = new_node(graph, _aten.cat.default, (flats,), annotation) if len(flats) > 1 else flats[0]
+        gathered = new_node(graph, ALL_GATHER, (copy_in, world, group_name), annotation)
+        waited = new_node(graph, WAIT, (gathered,), annotation)
+        rows = new_node(graph, _aten.view.default, (waited, [world, total]), annotation)
         if len(bucket.members) > 1 and dtype.is_floating_point:
             unsharded = _copy_out_in_one_node(graph, rows, bucket, annotation)
         else:
@@ -246,12 +225,12 @@ def _unpadded_shard(member: _Member) -> fx.Node | None:
     if node.target in (torch.ops.prims.convert_element_type.default, _aten._to_copy.default):
         node = node.args[0]
     if node.target is _aten.constant_pad_nd.default and (len(node.args) < 3 or node.args[2] in (0, 0.0)):
-        pads, padded = list(node.args[1]), _val(node.args[0])
+        pads, padded = list(node.args[1]), node_value(node.args[0])
         # Only rows appended on dim 0: every pad before the last is zero (F.pad's pairs run from the last dim).
         if not isinstance(padded, torch.Tensor) or len(pads) != 2 * padded.dim() or any(pads[:-1]):
             return None
         node = node.args[0]
-    value = _val(node)
+    value = node_value(node)
     if not (isinstance(value, torch.Tensor) and value.is_floating_point() and value.is_contiguous()):
         return None
     return node if value.numel() <= member.numel else None
@@ -262,19 +241,19 @@ def _copy_out_in_one_node(graph: fx.Graph, rows: fx.Node, bucket: _Bucket, annot
     copy-out per bucket in compiled graphs] in fsdp_compile/kernels/ops.py): each a fresh, contiguous tensor."""
     shapes = [_shape(member.wait) for member in bucket.members]
     sizes, ndims = [size for shape in shapes for size in shape], [len(shape) for shape in shapes]
-    outs = _new_node(graph, COPY_OUT, (rows, [m.numel for m in bucket.members], sizes, ndims), annotation)
-    return [_new_node(graph, operator.getitem, (outs, index), annotation) for index in range(len(shapes))]
+    outs = new_node(graph, COPY_OUT, (rows, [m.numel for m in bucket.members], sizes, ndims), annotation)
+    return [new_node(graph, operator.getitem, (outs, index), annotation) for index in range(len(shapes))]
 
 
 def _copy_out_per_parameter(graph: fx.Graph, rows: fx.Node, bucket: _Bucket, annotation: dict) -> list[fx.Node]:
     """Each parameter's columns of ``rows``, reshaped (a lone member's are a view of the buffer)."""
     unsharded, offset = [], 0
     for member in bucket.members:
-        columns = _new_node(graph, _aten.slice.Tensor, (rows, 1, offset, offset + member.numel), annotation)
-        tensor = _new_node(graph, _aten.reshape.default, (columns, list(_shape(member.wait))), annotation)
+        columns = new_node(graph, _aten.slice.Tensor, (rows, 1, offset, offset + member.numel), annotation)
+        tensor = new_node(graph, _aten.reshape.default, (columns, list(_shape(member.wait))), annotation)
         # Pin the copy-out to the contiguous layout the per-parameter gather had: left free, Inductor
         # may lay it out for its consumer (a transposed mm operand) and change the GEMM's rounding.
-        unsharded.append(_new_node(graph, FORCE_STRIDE, (tensor, _contiguous_strides(_shape(member.wait))), annotation))
+        unsharded.append(new_node(graph, FORCE_STRIDE, (tensor, _contiguous_strides(_shape(member.wait))), annotation))
         offset += member.numel
     return unsharded
 
@@ -310,13 +289,13 @@ def _bucket_reduction(graph: fx.Graph, bucket: _Bucket) -> bool:
     def emit(target: Any, args: tuple, kwargs: dict | None = None, fake_like: fx.Node | None = None) -> fx.Node:
         nonlocal cursor
         with graph.inserting_after(cursor):
-            cursor = _new_node(graph, target, args, annotation, kwargs, fake_like)
+            cursor = new_node(graph, target, args, annotation, kwargs, fake_like)
         return cursor
 
     def zeros(shape: list[int], like: fx.Node) -> fx.Node:
         # aten.full, the constructor Inductor lowers in a post-grad graph (it decomposes new_zeros
         # earlier and refuses it here).
-        value = _val(like)
+        value = node_value(like)
         return emit(_aten.full.default, (list(shape), 0), {"dtype": value.dtype, "device": value.device}, fake_like=like)
 
     world = bucket.key[3] if kind is REDUCE_SCATTER else bucket.key[2]
@@ -380,7 +359,7 @@ def _tied_reads(bucket: _Bucket) -> dict[int, int]:
     tied: dict[int, int] = {}
     for index, member in enumerate(bucket.members):
         annotation = fsdp_annotation(member.collective) or {}
-        key = (annotation.get(STATE_KEY), annotation.get(PARAM_KEY), member.numel, _val(member.collective.args[0]).dtype)
+        key = (annotation.get(STATE_KEY), annotation.get(PARAM_KEY), member.numel, node_value(member.collective.args[0]).dtype)
         if key[0] is None or key[1] is None or member.added is not None:
             continue
         if key in first:

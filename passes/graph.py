@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 
 import fsdp_compile.kernels  # noqa: F401 - registers torch.ops.fsdp_compile's copy ops (COPY_IN, COPY_OUT)
+import fsdp_compile.traceable  # noqa: F401 - registers torch.ops.fsdp_compile.prefetched_gather (PREFETCHED_GATHER)
 from fsdp_compile.annotations import (
     BUCKET_KEY, FSDP_ANNOTATION_KEY, GROUP_KEY, GROUPS_KEY, PARAM_KEY, PARAMS_KEY, RESHARD_AFTER_FORWARD_KEY, STATE_KEY,
 )
@@ -29,7 +30,7 @@ __all__ = [
     "ALL_TO_ALL",
     "FSDP_ANNOTATION_KEY", "GROUP_KEY", "PARAM_KEY", "RESHARD_AFTER_FORWARD_KEY", "STATE_KEY", "BUCKET_KEY", "GROUPS_KEY", "PARAMS_KEY",
     "ALL_GATHER", "REDUCE_SCATTER", "ALL_REDUCE", "WAIT", "COLLECTIVES", "GRADIENT_REDUCTIONS", "COLLECTIVE_NAMES", "FORCE_STRIDE", "COPY_IN", "COPY_OUT",
-    "collective_nodes", "single_wait", "fsdp_annotation", "is_tangent", "graph_kind", "is_view", "is_copy",
+    "collective_nodes", "single_wait", "new_node", "node_value", "PREFETCHED_GATHER", "fsdp_annotation", "is_tangent", "graph_kind", "is_view", "is_copy",
     "tensor_bytes", "collective_bytes", "inflight_collectives", "inflight_bytes", "max_inflight_bytes",
     "pass_counters", "give_up",
 ]
@@ -41,6 +42,8 @@ REDUCE_SCATTER = _c10d.reduce_scatter_tensor.default
 ALL_REDUCE = _c10d.all_reduce.default  # HSDP: the reduced shard across replicas
 ALL_TO_ALL = _c10d.all_to_all_single.default  # CommPolicy's gradient wire (the reduce-scatter's stand-in)
 WAIT = _c10d.wait_tensor.default
+# A block frame's parameter that the previous block's graph all-gathered (fsdp_compile/traceable.py).
+PREFETCHED_GATHER = torch.ops.fsdp_compile.prefetched_gather.default
 COLLECTIVES = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, ALL_TO_ALL)  # what issues work that a WAIT completes
 # The reductions of gradients: a reduce-scatter, or CommPolicy's low-precision wire (an all-to-all
 # whose received chunks each rank sums); both issue after their bucket's last gradient.
@@ -77,6 +80,28 @@ def single_wait(collective: fx.Node) -> fx.Node | None:
     if len(users) == 1 and users[0].target is WAIT:
         return users[0]
     return None
+
+
+def node_value(node: Any) -> Any:
+    """A node's fake value (``meta["val"]``), or a constant argument as it is."""
+    return node.meta.get("val") if isinstance(node, fx.Node) else node
+
+
+def new_node(graph: fx.Graph, target: Any, args: tuple, annotation: dict | None, kwargs: dict | None = None,
+              fake_like: fx.Node | None = None) -> fx.Node:
+    """A call_function node with ``meta["val"]`` computed on the inputs' fake tensors (Inductor needs
+    it); ``fake_like``: a node whose fake mode to use where the node has no tensor inputs."""
+    node = graph.call_function(target, args, kwargs)
+    inputs = node.all_input_nodes or ([fake_like] if fake_like is not None else [])
+    if inputs and all("val" in i.meta for i in inputs):
+        values = fx.node.map_arg(args, node_value)
+        fake_mode = torch._guards.detect_fake_mode([i.meta["val"] for i in inputs])
+        if fake_mode is not None:
+            with fake_mode:
+                node.meta["val"] = target(*values, **(kwargs or {}))
+    if annotation is not None:
+        node.meta["custom"] = annotation
+    return node
 
 
 def fsdp_annotation(node: fx.Node) -> dict | None:

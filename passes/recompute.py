@@ -23,9 +23,14 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from fsdp_compile.passes.graph import RESHARD_AFTER_FORWARD_KEY, fsdp_annotation, give_up, is_tangent, is_view
+from fsdp_compile.passes.graph import (
+    ALL_GATHER, PARAM_KEY, PREFETCHED_GATHER, RESHARD_AFTER_FORWARD_KEY, WAIT, fsdp_annotation, give_up, is_tangent, is_view, new_node,
+    node_value,
+)
 
-__all__ = ["tag_reshard_after_forward_for_recompute", "read_region_saved_inputs_directly"]
+__all__ = [
+    "tag_reshard_after_forward_for_recompute", "read_region_saved_inputs_directly", "read_prefetched_gathers", "erase_unread_gathers",
+]
 
 # One id for every tagged region: consecutive tagged nodes never force a save between them.
 _AC_GRAPH_ID = 1_000_000
@@ -102,9 +107,93 @@ def read_region_saved_inputs_directly(graph: fx.Graph) -> int:
     return rerouted
 
 
+def _unshard_chain(gather: fx.Node, backward: set[fx.Node]) -> list[fx.Node]:
+    """The forward nodes, in graph order, that make the full parameter from ``gather``: its views and
+    the ops of the same parameter's traced unshard (annotated alike)."""
+    param = (fsdp_annotation(gather) or {}).get(PARAM_KEY)
+    chain, members = [gather], {gather}
+    frontier = [gather]
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if user in members or user in backward or user.op != "call_function":
+                continue
+            annotation = fsdp_annotation(user)
+            if is_view(user) or (annotation is not None and annotation.get(PARAM_KEY) == param):
+                members.add(user)
+                chain.append(user)
+                frontier.append(user)
+    position = {node: index for index, node in enumerate(gather.graph.nodes)}
+    return sorted(chain, key=position.__getitem__)
+
+
+def read_prefetched_gathers(graph: fx.Graph) -> int:
+    """See [Note: prefetch across block frames] in fsdp_compile/module.py: a block frame reads the
+    gathered parameters the previous block's graph all-gathered (``fsdp_compile::prefetched_gather``
+    nodes). Its forward reads the prefetched tensor, a graph input. Where its backward reads the
+    parameter too and the group reshards after forward, it reads a fresh all-gather of the padded
+    shard instead (with copies of the ops between), which ``tag_reshard_after_forward_for_recompute``
+    then makes recomputed in backward, so the prefetched tensor is never saved::
+
+        before:  prefetched -> prefetched_gather(prefetched, shard) -> view -> mm, mm_backward
+        after:   prefetched -> view -> mm
+                 shard -> [all_gather -> wait -> view]^recompute -> mm_backward
+
+    In a graph without backward (inference, or the partitioned graphs of a backend that did not run
+    this on the joint graph) every read takes the prefetched tensor. Returns how many were rewritten.
+    """
+    gathers = list(graph.find_nodes(op="call_function", target=PREFETCHED_GATHER))
+    if not gathers:
+        return 0
+    backward = _backward_nodes(graph)
+    for gather in gathers:
+        prefetched, padded, param_dtype, shard_size, group_name = gather.args
+        annotation = fsdp_annotation(gather)
+        if annotation is not None and annotation.get(RESHARD_AFTER_FORWARD_KEY):
+            chain = _unshard_chain(gather, backward)
+            backward_reads = [(user, node) for node in chain for user in node.users if user in backward]
+            if backward_reads:
+                with graph.inserting_before(gather):
+                    sent = padded
+                    if node_value(padded).dtype != param_dtype:
+                        sent = new_node(graph, torch.ops.prims.convert_element_type.default, (padded, param_dtype), annotation)
+                    gathered = new_node(graph, ALL_GATHER, (sent, shard_size, group_name), annotation)
+                    regathered = {gather: new_node(graph, WAIT, (gathered,), annotation)}
+                for node in chain[1:]:
+                    with graph.inserting_after(node):
+                        regathered[node] = graph.node_copy(node, lambda arg: regathered.get(arg, arg))
+                for user, node in backward_reads:
+                    user.replace_input_with(node, regathered[node])
+        gather.replace_all_uses_with(prefetched)
+        graph.erase_node(gather)
+    return len(gathers)
+
+
+def erase_unread_gathers(graph: fx.Graph) -> int:
+    """Erase FSDP all-gathers whose result nothing reads, with the inputs only they read; returns how
+    many. The partitioner copies the re-gather ``read_prefetched_gathers`` adds for backward into
+    the forward graph as well, unread there: a collective is never dead code to FX."""
+    erased = 0
+    for wait in list(graph.find_nodes(op="call_function", target=WAIT)):
+        gather = wait.args[0]
+        if wait.users or gather.target is not ALL_GATHER or len(gather.users) != 1 or fsdp_annotation(gather) is None:
+            continue
+        graph.erase_node(wait)
+        frontier = [gather]
+        while frontier:
+            node = frontier.pop()
+            if node.users or node.op != "call_function" or (node.is_impure() and node is not gather):
+                continue
+            frontier.extend(node.all_input_nodes)
+            graph.erase_node(node)
+        erased += 1
+    return erased
+
+
 def tag_reshard_after_forward_for_recompute(graph: fx.Graph) -> int:
     """Tag forward unshard chains of resharding groups ``MUST_RECOMPUTE``; returns how many nodes."""
     read_region_saved_inputs_directly(graph)
+    read_prefetched_gathers(graph)
     backward = _backward_nodes(graph)
     tagged: list[fx.Node] = []
     for node in graph.nodes:

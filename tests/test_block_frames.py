@@ -4,7 +4,6 @@ identical block at any depth, its group's collectives in it; the groups outside 
 reduce once per step; numerics, settings and frames Dynamo runs eagerly behave as in the other modes."""
 from __future__ import annotations
 
-import collections
 import contextlib
 import copy
 import warnings
@@ -24,6 +23,8 @@ from test_compile_graphs import _saved_all_gather_outputs
 from test_compiled_settings import _SETTING_CASES, _refused, _setting_case
 
 FRAME = "TransformerBlock (block frame)"
+NEXT_FRAME = "TransformerBlock (next block frame)"
+FIRST_FRAME = "_IndexedBlock (block frame)"
 
 
 @contextlib.contextmanager
@@ -69,21 +70,16 @@ def _frames_against_eager(layers: int, backend: str, param_dtype_name: str | Non
         runner = torch.compile(compiled, backend=backend)
         compiled_collectives = _collectives_per_step(compiled, runner, 2)
         compiled_losses = _train(runner, 2, seed=7)
-    frame_forwards = [g for kind, g in graphs if kind == "forward" and _groups_gathered(g) == {FRAME}]
-    # Forward graphs compiled per block class: each gathers the one group its frame reads.
-    frames_by_class = collections.Counter(
-        group for kind, g in graphs if kind == "forward" for group in _groups_gathered(g) if group.endswith("(block frame)")
-    )
-    frame_backwards = [g for kind, g in graphs if kind == "backward" and FRAME in _groups_gathered(g)]
+    forwards = [g for kind, g in graphs if kind == "forward"]
+    # One backward per compiled block frame: the one that reduce-scatters its block's gradients.
+    frame_backwards = [g for kind, g in graphs if kind == "backward" and _groups_reduced(g) & {FRAME, FIRST_FRAME}]
     return {
         "layers": layers,
         "unique_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
-        "frame_forward_graphs": dict(frames_by_class),
-        "frame_saved_gathered": sorted({group for g in frame_forwards for group in _saved_all_gather_outputs(g)}),
-        "frame_backward_reduces": sorted(
-            {fsdp_annotation(n)[GROUP_KEY] for g in frame_backwards for n in g.graph.nodes if n.target is REDUCE_SCATTER and fsdp_annotation(n)}
-        ),
-        "frame_backward_regathers": any(n.target is ALL_GATHER for g in frame_backwards for n in g.graph.nodes),
+        "frame_graphs": len(frame_backwards),
+        "saved_gathered": sorted({group for g in forwards for group in _saved_all_gather_outputs(g)}),
+        "frame_backwards_regather": [bool(_groups_gathered(g) & {FRAME, FIRST_FRAME}) for g in frame_backwards],
+        "prefetches_before_compute": [_prefetch_before_first_matmul(g) for g in forwards if NEXT_FRAME in _groups_gathered(g)],
         "compiled_collectives": compiled_collectives,
         "eager_collectives": _collectives_per_step(eager, eager, 2),
         "compiled_losses": compiled_losses,
@@ -94,6 +90,18 @@ def _frames_against_eager(layers: int, backend: str, param_dtype_name: str | Non
 
 def _groups_gathered(graph: torch.fx.GraphModule) -> set[str]:
     return {fsdp_annotation(n)[GROUP_KEY] for n in graph.graph.nodes if n.target is ALL_GATHER and fsdp_annotation(n)}
+
+
+def _groups_reduced(graph: torch.fx.GraphModule) -> set[str]:
+    return {fsdp_annotation(n)[GROUP_KEY] for n in graph.graph.nodes if n.target is REDUCE_SCATTER and fsdp_annotation(n)}
+
+
+def _prefetch_before_first_matmul(graph: torch.fx.GraphModule) -> bool:
+    """Whether the next block's all-gather is issued before this block's first matmul."""
+    nodes = list(graph.graph.nodes)
+    prefetch = next(i for i, n in enumerate(nodes) if n.target is ALL_GATHER and fsdp_annotation(n)[GROUP_KEY] == NEXT_FRAME)
+    first_matmul = next(i for i, n in enumerate(nodes) if n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default))
+    return prefetch < first_matmul
 
 
 def _assert_trains_like_eager(result: dict, tolerance: float) -> None:
@@ -107,16 +115,20 @@ def test_blocks_as_frames_compile_one_graph_for_two_or_twelve_blocks_with_eagers
     for result in (shallow, deep):
         _assert_trains_like_eager(result, 1e-5)
         # One all-gather and one reduce-scatter per group and step, as eagerly: the root, read in the
-        # graphs before and after the blocks' frames, gathers once (and blocks gather again in backward).
+        # graphs before and after the blocks' frames, gathers once, and each block once, in the frame
+        # before its own (blocks gather again in backward).
         assert result["compiled_collectives"] == result["eager_collectives"], result
         assert result["compiled_collectives"][0]["reduce_scatter"] == 1 + result["layers"], result
-        # The block's frame: compiled once, its all-gather in the graph, nothing unsharded saved for
-        # backward (re-gathered there), its reduce-scatter in its backward.
-        assert result["frame_forward_graphs"] == {FRAME: 1}, result
-        assert result["frame_saved_gathered"] == [] and result["frame_backward_regathers"], result
-        assert result["frame_backward_reduces"] == [FRAME], result
-    # Flat with depth: twelve blocks compile no graph more than two.
-    assert deep["unique_graphs"] == shallow["unique_graphs"], (shallow, deep)
+        # Nothing unsharded of a block is saved for backward: every block frame's backward gathers
+        # its block again, and reduce-scatters it.
+        assert FRAME not in result["saved_gathered"] and all(result["frame_backwards_regather"]), result
+        # Each block frame but the last issues the next block's all-gather before its first matmul.
+        assert result["prefetches_before_compute"] and all(result["prefetches_before_compute"]), result
+    # A block's frame compiles once per place in the chain of prefetches, not per block: the first
+    # (gathers itself, prefetches the next), the middle ones (take the prefetch, prefetch the next),
+    # the last (takes the prefetch). Two blocks have no middle one; twelve compile one graph more.
+    assert (shallow["frame_graphs"], deep["frame_graphs"]) == (2, 3), (shallow, deep)
+    assert deep["unique_graphs"] == shallow["unique_graphs"] + 1, (shallow, deep)
 
 
 @pytest.mark.parametrize("backend,param_dtype_name", [("fsdp_aot_eager", None), ("fsdp_inductor", "bfloat16")])
@@ -124,8 +136,10 @@ def test_blocks_as_frames_match_eager_with_a_distinct_first_block(dist, backend,
     result = dist.run(2, _frames_against_eager, 3, backend, param_dtype_name, True)[0]
     _assert_trains_like_eager(result, 1e-2 if param_dtype_name else 1e-5)
     assert result["compiled_collectives"] == result["eager_collectives"], result
-    # Two structures, each compiled once: the distinct first block and the two identical ones.
-    assert result["frame_forward_graphs"] == {"_IndexedBlock (block frame)": 1, FRAME: 1}, result
+    # Each distinct block frame compiles once: the distinct first block (prefetching the second),
+    # the second (prefetching the third) and the last.
+    assert result["frame_graphs"] == 3 and all(result["frame_backwards_regather"]), result
+    assert len(result["prefetches_before_compute"]) == 2 and all(result["prefetches_before_compute"]), result
 
 
 # --- frames Dynamo runs eagerly ---------------------------------------------------------------------
