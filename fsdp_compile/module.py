@@ -537,9 +537,10 @@ def _forward_reparametrized(
 # backward all-gathers its shards again instead of saving it. The prefetch is a plain all-gather
 # of the shards, without autograd. The next block is learned eagerly as frames are entered
 # (FSDPState._learn_frame_order: the module tree's order at the first forward, then the order the
-# last forward ran them in). Dynamo guards on whether a block has a next block and whether it takes
-# a prefetch, both the same for every block but the first and the last: a chain of identical blocks
-# compiles three frames (first, middle, last) at any depth. Not prefetched: a block with CommPolicy's
+# last forward ran them in), and the root's traced pre-forward prefetches the module tree's first
+# block (FSDPState._prefetch_first_block_frame), so every block takes a prefetch. Dynamo guards on
+# whether a block takes a prefetch and whether it has a next block, the same for every block but the
+# last: a chain of identical blocks compiles two frames at any depth. Not prefetched: a block with CommPolicy's
 # quantized all-gather or tensor-parallel parameters (it gathers in its own frame), and the groups
 # outside blocks. Backward prefetch stays within a frame: a block's backward gathers its shards
 # again at its start, and its reduce-scatter is waited at its end.

@@ -318,16 +318,31 @@ class FSDPState:
         graph (the passes issue it right after this block's own all-gather is waited on) and hand
         them to the next block's frame; see [Note: prefetch across block frames] in module.py."""
         following = self.next_frame_block
-        if following is None or not following.takes_prefetched_frame_gathers():
-            return
-        group = following.group
+        if following is not None and following.takes_prefetched_frame_gathers():
+            following._take_prefetch(NEXT_BLOCK_FRAME_TOKEN)
+
+    def _prefetch_first_block_frame(self) -> None:
+        """Traced in the root's pre-forward: all-gather the first block's parameters for its frame, so
+        that it reads a prefetch as every later block does and compiles no frame of its own
+        ([Note: prefetch across block frames] in module.py). The root's graph is the root's alone:
+        its annotation names the block by its own token."""
+        # The module tree's first block, as at the first forward (where no block was entered yet):
+        # the block entered first could differ only in a later step, and recompile this graph.
+        first = next((state for state in self.states_in_tree() if state._is_block()), None)
+        if first is not None and first.takes_prefetched_frame_gathers():
+            first._take_prefetch(first.trace_token)
+
+    def _take_prefetch(self, token: int) -> None:
+        """Trace this block's all-gather into the graph being traced and keep what it gathers for this
+        block's frame (``frame_prefetched``)."""
+        group = self.group
         assert group is not None
         spec = group.reduce_spec
-        reshards = following.reshards_after_forward
-        following.frame_prefetched = [
+        reshards = self.reshards_after_forward
+        self.frame_prefetched = [
             gather_for_prefetch(
                 fsdp_param.sharded_param, fsdp_param.layout, fsdp_param.param_dtype, spec,
-                trace_annotation(following.next_frame_label, fsdp_param.fqn, reshards, NEXT_BLOCK_FRAME_TOKEN),
+                trace_annotation(self.next_frame_label, fsdp_param.fqn, reshards, token),
             )
             for fsdp_param in group.fsdp_params
         ]
@@ -518,6 +533,8 @@ class FSDPState:
                 self._stage_accumulated_grads()
             if self.outer is None and config.compile_blocks_as_frames:
                 self._begin_frame_handoff()
+                if compiling:
+                    self._prefetch_first_block_frame()
             return self._cast_forward_inputs(args, kwargs)
         return self._pre_forward(module, args, kwargs)
 

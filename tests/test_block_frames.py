@@ -79,7 +79,14 @@ def _frames_against_eager(layers: int, backend: str, param_dtype_name: str | Non
         "frame_graphs": len(frame_backwards),
         "saved_gathered": sorted({group for g in forwards for group in _saved_all_gather_outputs(g)}),
         "frame_backwards_regather": [bool(_groups_gathered(g) & {FRAME, FIRST_FRAME}) for g in frame_backwards],
-        "prefetches_before_compute": [_prefetch_before_first_matmul(g) for g in forwards if NEXT_FRAME in _groups_gathered(g)],
+        # The block frames that prefetch (the root's pre-forward prefetches the first block, in a
+        # graph without a matmul).
+        "prefetches_before_compute": [
+            _prefetch_before_first_matmul(g) for g in forwards if NEXT_FRAME in _groups_gathered(g) and _matmuls(g)
+        ],
+        "root_prefetches_first_block": any(
+            group.endswith("(next block frame)") for g in forwards if not _matmuls(g) for group in _groups_gathered(g)
+        ),
         "compiled_collectives": compiled_collectives,
         "eager_collectives": _collectives_per_step(eager, eager, 2),
         "compiled_losses": compiled_losses,
@@ -96,12 +103,16 @@ def _groups_reduced(graph: torch.fx.GraphModule) -> set[str]:
     return {fsdp_annotation(n)[GROUP_KEY] for n in graph.graph.nodes if n.target is REDUCE_SCATTER and fsdp_annotation(n)}
 
 
+def _matmuls(graph: torch.fx.GraphModule) -> list[int]:
+    matmul = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+    return [i for i, n in enumerate(graph.graph.nodes) if n.target in matmul]
+
+
 def _prefetch_before_first_matmul(graph: torch.fx.GraphModule) -> bool:
     """Whether the next block's all-gather is issued before this block's first matmul."""
     nodes = list(graph.graph.nodes)
     prefetch = next(i for i, n in enumerate(nodes) if n.target is ALL_GATHER and fsdp_annotation(n)[GROUP_KEY] == NEXT_FRAME)
-    first_matmul = next(i for i, n in enumerate(nodes) if n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default))
-    return prefetch < first_matmul
+    return prefetch < _matmuls(graph)[0]
 
 
 def _assert_trains_like_eager(result: dict, tolerance: float) -> None:
@@ -122,13 +133,14 @@ def test_blocks_as_frames_compile_one_graph_for_two_or_twelve_blocks_with_eagers
         # Nothing unsharded of a block is saved for backward: every block frame's backward gathers
         # its block again, and reduce-scatters it.
         assert FRAME not in result["saved_gathered"] and all(result["frame_backwards_regather"]), result
-        # Each block frame but the last issues the next block's all-gather before its first matmul.
+        # Each block frame but the last issues the next block's all-gather before its first matmul;
+        # the root's pre-forward prefetches the first block.
         assert result["prefetches_before_compute"] and all(result["prefetches_before_compute"]), result
-    # A block's frame compiles once per place in the chain of prefetches, not per block: the first
-    # (gathers itself, prefetches the next), the middle ones (take the prefetch, prefetch the next),
-    # the last (takes the prefetch). Two blocks have no middle one; twelve compile one graph more.
-    assert (shallow["frame_graphs"], deep["frame_graphs"]) == (2, 3), (shallow, deep)
-    assert deep["unique_graphs"] == shallow["unique_graphs"] + 1, (shallow, deep)
+        assert result["root_prefetches_first_block"], result
+    # Two block frames at any depth, not one per block: every block but the last (takes a prefetch,
+    # prefetches the next) and the last (takes a prefetch). Twelve blocks compile no graph more than two.
+    assert (shallow["frame_graphs"], deep["frame_graphs"]) == (2, 2), (shallow, deep)
+    assert deep["unique_graphs"] == shallow["unique_graphs"], (shallow, deep)
 
 
 @pytest.mark.parametrize("backend,param_dtype_name", [("fsdp_aot_eager", None), ("fsdp_inductor", "bfloat16")])
@@ -140,6 +152,7 @@ def test_blocks_as_frames_match_eager_with_a_distinct_first_block(dist, backend,
     # the second (prefetching the third) and the last.
     assert result["frame_graphs"] == 3 and all(result["frame_backwards_regather"]), result
     assert len(result["prefetches_before_compute"]) == 2 and all(result["prefetches_before_compute"]), result
+    assert result["root_prefetches_first_block"], result
 
 
 # --- frames Dynamo runs eagerly ---------------------------------------------------------------------
