@@ -348,9 +348,10 @@ class FSDPState:
         ]
 
     def takes_prefetched_frame_gathers(self) -> bool:
-        """Whether the previous block's frame all-gathers this block's parameters for it: a block
-        compiled as a frame, not training its hooks eagerly, without CommPolicy's quantized
-        all-gather or tensor-parallel parameters (those gather in their own frame)."""
+        """Whether an earlier graph (the previous block's frame; the root's pre-forward for the first
+        block) all-gathers this block's parameters for it: a block compiled as a frame, not training
+        its hooks eagerly, without CommPolicy's quantized all-gather or tensor-parallel parameters
+        (those gather in their own frame)."""
         group = self.group
         return (
             self.compiles_as_frame and self.training_state is TrainingState.IDLE and group is not None
