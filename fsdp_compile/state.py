@@ -196,12 +196,13 @@ class FSDPState:
         # The unsharded parameters of this forward's first read, by FQN (unsharded_across_frames).
         self.frame_handoff: dict[str, torch.Tensor] = {}
         # [Note: prefetch across block frames] in module.py. The block whose frame runs after this
-        # one's (learned eagerly by enter_block_frame), its label in this block's graph, and the
-        # gathered parameters (by index in the group) the previous block's graph prefetched for this one.
+        # one's (learned eagerly by enter_block_frame), this block's label where an earlier graph
+        # prefetches it, and the gathered parameters (by index in the group) that graph prefetched.
         self.next_frame_block: FSDPState | None = None
         self.next_frame_label = f"{type(modules[0]).__name__} (next block frame)"
         self.frame_prefetched: list[torch.Tensor] | None = None
-        # On a root: the first block frame entered in a forward, and the last one entered.
+        # On a root: the first block frame entered at the first forward (entered again, a new forward
+        # began), and the last block frame entered.
         self._first_frame_block: FSDPState | None = None
         self._last_frame_block: FSDPState | None = None
 

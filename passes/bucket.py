@@ -35,7 +35,7 @@ from fsdp_compile.config import PassConfig
 from fsdp_compile.passes.graph import (
     ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BUCKET_KEY, COLLECTIVE_NAMES, COLLECTIVES, COPY_IN, COPY_OUT, FORCE_STRIDE, FSDP_ANNOTATION_KEY, GROUP_KEY,
     GRADIENT_REDUCTIONS, GROUPS_KEY, PARAM_KEY, PARAMS_KEY, REDUCE_SCATTER, RESHARD_AFTER_FORWARD_KEY, STATE_KEY, WAIT, collective_nodes,
-    fsdp_annotation, give_up, new_node, node_value, single_wait,
+    erase_unused_chain, fsdp_annotation, give_up, new_node, node_value, single_wait,
 )
 
 __all__ = ["bucket_collectives"]
@@ -204,16 +204,8 @@ def _bucket_all_gather(graph: fx.Graph, bucket: _Bucket) -> bool:
         padded = member.collective.args[0]
         graph.erase_node(member.wait)
         graph.erase_node(member.collective)
-        _erase_unused(graph, padded)  # the pad and cast the copy-in op took over
+        erase_unused_chain(graph, padded)  # the pad and cast the copy-in op took over
     return True
-
-
-def _erase_unused(graph: fx.Graph, node: Any) -> None:
-    """Erase ``node`` and then its first input, while each is a computation nothing reads."""
-    while isinstance(node, fx.Node) and node.op == "call_function" and not node.users and not node.is_impure():
-        source = node.args[0] if node.args else None
-        graph.erase_node(node)
-        node = source
 
 
 def _unpadded_shard(member: _Member) -> fx.Node | None:

@@ -30,7 +30,7 @@ __all__ = [
     "ALL_TO_ALL",
     "FSDP_ANNOTATION_KEY", "GROUP_KEY", "PARAM_KEY", "RESHARD_AFTER_FORWARD_KEY", "STATE_KEY", "BUCKET_KEY", "GROUPS_KEY", "PARAMS_KEY",
     "ALL_GATHER", "REDUCE_SCATTER", "ALL_REDUCE", "WAIT", "COLLECTIVES", "GRADIENT_REDUCTIONS", "COLLECTIVE_NAMES", "FORCE_STRIDE", "COPY_IN", "COPY_OUT",
-    "collective_nodes", "single_wait", "new_node", "node_value", "PREFETCHED_GATHER", "fsdp_annotation", "is_tangent", "graph_kind", "is_view", "is_copy",
+    "collective_nodes", "single_wait", "new_node", "node_value", "erase_unused_chain", "PREFETCHED_GATHER", "fsdp_annotation", "is_tangent", "graph_kind", "is_view", "is_copy",
     "tensor_bytes", "collective_bytes", "inflight_collectives", "inflight_bytes", "max_inflight_bytes",
     "pass_counters", "give_up",
 ]
@@ -102,6 +102,14 @@ def new_node(graph: fx.Graph, target: Any, args: tuple, annotation: dict | None,
     if annotation is not None:
         node.meta["custom"] = annotation
     return node
+
+
+def erase_unused_chain(graph: fx.Graph, node: Any) -> None:
+    """Erase ``node`` and then its first input, while each is a computation nothing reads."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and not node.users and not node.is_impure():
+        source = node.args[0] if node.args else None
+        graph.erase_node(node)
+        node = source
 
 
 def fsdp_annotation(node: fx.Node) -> dict | None:

@@ -24,8 +24,8 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from fsdp_compile.passes.graph import (
-    ALL_GATHER, PARAM_KEY, PREFETCHED_GATHER, RESHARD_AFTER_FORWARD_KEY, WAIT, fsdp_annotation, give_up, is_tangent, is_view, new_node,
-    node_value,
+    ALL_GATHER, PARAM_KEY, PREFETCHED_GATHER, RESHARD_AFTER_FORWARD_KEY, WAIT, erase_unused_chain, fsdp_annotation, give_up, is_tangent,
+    is_view, new_node, node_value,
 )
 
 __all__ = [
@@ -178,14 +178,10 @@ def erase_unread_gathers(graph: fx.Graph) -> int:
         gather = wait.args[0]
         if wait.users or gather.target is not ALL_GATHER or len(gather.users) != 1 or fsdp_annotation(gather) is None:
             continue
+        sent = gather.args[0]
         graph.erase_node(wait)
-        frontier = [gather]
-        while frontier:
-            node = frontier.pop()
-            if node.users or node.op != "call_function" or (node.is_impure() and node is not gather):
-                continue
-            frontier.extend(node.all_input_nodes)
-            graph.erase_node(node)
+        graph.erase_node(gather)
+        erase_unused_chain(graph, sent)
         erased += 1
     return erased
 
