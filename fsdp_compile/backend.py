@@ -405,14 +405,10 @@ def admit_traced_parameters(gm: fx.GraphModule) -> None:
     # A block compiled as a frame is named in its graph by a token every such block shares: the block
     # is the one whose frame Dynamo is tracing ([Note: blocks compiled as frames] in module.py).
     block_frame = state_module.block_frame_in_trace()
-    prefetched_block = block_frame.next_frame_block if block_frame is not None else None
-    # The block that entered the frame first: a refusal names it rather than the block it prefetches.
-    for state in sorted(state_module.live_states(), key=lambda state: state is not block_frame):
+    for state in state_module.live_states():
         tokens = {state.trace_token}
         if state is block_frame:
             tokens.add(state_module.BLOCK_FRAME_TOKEN)
-        if state is prefetched_block:  # its all-gather prefetched in the frame before its own
-            tokens.add(state_module.NEXT_BLOCK_FRAME_TOKEN)
         read = [p for p in state.group.fsdp_params if any((t, p.fqn) in traced for t in tokens)] if state.group is not None else []
         if not read:
             continue

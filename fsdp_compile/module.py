@@ -80,8 +80,8 @@ class FSDPModule:
                 if not torch.compiler.is_compiling():  # Dynamo runs that frame eagerly
                     return self._forward_with_eager_hooks(args, kwargs)
                 output = super().forward(*args, **kwargs)  # type: ignore[misc]
-                state.frame_prefetched = None  # read: its unsharded parameters go with this graph's end
-                state.prefetch_next_block_frame()  # [Note: prefetch across block frames]
+                # [Note: prefetch across block frames]: waited on and read, its unsharded parameters go with this graph's end.
+                state.frame_prefetched = state.frame_gathered = None
                 return output
             if state.compiles_as_region:
                 unsharded = state.traced_unshard(state.group.fsdp_params)
@@ -109,7 +109,7 @@ class FSDPModule:
                 "Numerics are unchanged; its collectives are not part of the compiled graph.",
                 stacklevel=2,
             )
-        state.frame_prefetched = None  # the eager hooks gather it themselves
+        state.drop_frame_prefetch()  # the eager hooks gather it themselves
         args, kwargs = state._pre_forward(self, args, kwargs)
         output = super().forward(*args, **kwargs)  # type: ignore[misc]
         return state._post_forward(self, args, output)

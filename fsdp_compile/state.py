@@ -26,7 +26,7 @@ from fsdp_compile.backend import traced_for_an_fsdp_backend, traced_without_grap
 from fsdp_compile.comm_context import CommContext
 from fsdp_compile.param_group import FSDPParamGroup, TrainingState
 from fsdp_compile.structures import map_tensors, tensors_in
-from fsdp_compile.traceable import gather_for_prefetch, trace_annotation, unshard_for_trace
+from fsdp_compile.traceable import frame_prefetched_parameters, issue_frame_prefetch, trace_annotation, unshard_for_trace
 
 if TYPE_CHECKING:
     from fsdp_compile.param import FSDPParam
@@ -42,9 +42,6 @@ _states_generation = 0
 # The trace token of every block compiled as a frame; which block's frame Dynamo traces now is
 # ``block_frame_in_trace()`` (set eagerly by FSDPState.enter_block_frame).
 BLOCK_FRAME_TOKEN = -1
-# The token of the next block's all-gather that a block frame prefetches: the block the backend
-# admits is ``block_frame_in_trace().next_frame_block`` ([Note: prefetch across block frames]).
-NEXT_BLOCK_FRAME_TOKEN = -2
 _block_frame_in_trace: "weakref.ref[FSDPState] | None" = None
 # Roots whose explicit prefetch lists were checked at their first block frame (told once).
 _roots_told_of_frames_prefetch: "weakref.WeakSet[FSDPState]" = weakref.WeakSet()
@@ -180,6 +177,8 @@ class FSDPState:
         self.eager_pre_forward = torch._dynamo.disable(self._pre_forward, recursive=True)
         self.eager_post_forward = torch._dynamo.disable(self._post_forward, recursive=True)
         self.eager_enter_block_frame = torch._dynamo.disable(self.enter_block_frame, recursive=True)
+        self.eager_frames_root_pre_forward = torch._dynamo.disable(self._frames_root_pre_forward, recursive=True)
+        self.eager_frames_root_post_forward = torch._dynamo.disable(self._frames_root_post_forward, recursive=True)
         for module in modules:
             module.__dict__[_STATE_ATTR] = self
             module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
@@ -196,11 +195,13 @@ class FSDPState:
         # The unsharded parameters of this forward's first read, by FQN (unsharded_across_frames).
         self.frame_handoff: dict[str, torch.Tensor] = {}
         # [Note: prefetch across block frames] in module.py. The block whose frame runs after this
-        # one's (learned eagerly by enter_block_frame), this block's label where an earlier graph
-        # prefetches it, and the gathered parameters (by index in the group) that graph prefetched.
+        # one's (learned eagerly by enter_block_frame); this block's all-gather in flight, issued as
+        # the frame before it (or its own) was entered, with the shards it read and their versions
+        # (a shard written since makes it stale); in the frame's trace, the parameters copied out of it.
         self.next_frame_block: FSDPState | None = None
-        self.next_frame_label = f"{type(modules[0]).__name__} (next block frame)"
-        self.frame_prefetched: list[torch.Tensor] | None = None
+        self.frame_prefetched: torch.Tensor | None = None
+        self._frame_prefetched_from: list[tuple[torch.Tensor, int]] = []
+        self.frame_gathered: list[torch.Tensor] | None = None
         # On a root: the first block frame entered at the first forward (entered again, a new forward
         # began), and the last block frame entered.
         self._first_frame_block: FSDPState | None = None
@@ -287,12 +288,10 @@ class FSDPState:
     def _begin_frame_handoff(self) -> None:
         """Root pre- and post-forward under ``compile_blocks_as_frames``, traced or run eagerly (a hook
         Dynamo gave up on): each group gathers afresh in the next forward, and nothing holds this one's
-        unsharded parameters past it (nor a prefetch no frame took)."""
+        unsharded parameters past it. (A prefetch no frame took is let go eagerly: see _learn_frame_order.)"""
         for state in self.states_in_tree():
             if state._is_outside_blocks():
                 state.frame_handoff = {}
-            elif state.frame_prefetched is not None:
-                state.frame_prefetched = None
 
     def _learn_frame_order(self) -> None:
         """Eagerly, as this block's frame is entered: the block entered before it in this forward
@@ -310,52 +309,80 @@ class FSDPState:
         elif self is root._first_frame_block:
             if previous is not None and previous.next_frame_block is not None and previous is not self:
                 previous.next_frame_block = None  # it ended the last forward
+            for state in root.states_in_tree():
+                if state is not self:
+                    state.drop_frame_prefetch()  # a block the last forward prefetched and did not run
         elif previous is not None and previous.next_frame_block is not self:
             previous.next_frame_block = self
         root._last_frame_block = self
 
-    def prefetch_next_block_frame(self) -> None:
-        """Traced at the end of this block's frame: all-gather the next block's parameters in this
-        graph (the passes issue it right after this block's own all-gather is waited on) and hand
-        them to the next block's frame; see [Note: prefetch across block frames] in module.py."""
+    def _prefetch_frame_gathers(self) -> None:
+        """Eagerly, as this block's frame is entered: its all-gather, unless one is in flight for it
+        already, and the next block's; see [Note: prefetch across block frames] in module.py."""
+        if not self.takes_prefetched_frame_gathers():
+            return
+        if not self._holds_fresh_prefetch():
+            self._issue_frame_prefetch()
         following = self.next_frame_block
-        if following is not None and following.takes_prefetched_frame_gathers():
-            following._take_prefetch(NEXT_BLOCK_FRAME_TOKEN)
+        if following is not None and following.takes_prefetched_frame_gathers() and not following._holds_fresh_prefetch():
+            following._issue_frame_prefetch()
 
-    def _prefetch_first_block_frame(self) -> None:
-        """Traced in the root's pre-forward: all-gather the first block's parameters for its frame, so
-        that it reads a prefetch as every later block does and compiles no frame of its own
-        ([Note: prefetch across block frames] in module.py). The root's graph is the root's alone:
-        its annotation names the block by its own token."""
-        # The module tree's first block, as at the first forward (where no block was entered yet):
-        # the block entered first could differ only in a later step, and recompile this graph.
-        first = next((state for state in self.states_in_tree() if state._is_block()), None)
-        if first is not None and first.takes_prefetched_frame_gathers():
-            first._take_prefetch(first.trace_token)
-
-    def _take_prefetch(self, token: int) -> None:
-        """Trace this block's all-gather into the graph being traced and keep what it gathers for this
-        block's frame (``frame_prefetched``)."""
+    def _issue_frame_prefetch(self) -> None:
         group = self.group
         assert group is not None
+        self.drop_frame_prefetch()
+        shards = [fsdp_param.all_gather_input() for fsdp_param in group.fsdp_params]
         spec = group.reduce_spec
-        reshards = self.reshards_after_forward
-        self.frame_prefetched = [
-            gather_for_prefetch(
-                fsdp_param.sharded_param, fsdp_param.layout, fsdp_param.param_dtype, spec,
-                trace_annotation(self.next_frame_label, fsdp_param.fqn, reshards, token),
+        self.frame_prefetched = issue_frame_prefetch(
+            shards, [p.padded_shard_numel for p in group.fsdp_params], group.param_dtype, spec.shard_size, spec.shard_group_name,
+        )
+        self._frame_prefetched_from = [(p.local_shard(), p.local_shard()._version) for p in group.fsdp_params]
+
+    def _holds_fresh_prefetch(self) -> bool:
+        """An all-gather in flight for this block whose shards nothing wrote since (the optimizer's step
+        writes them in place, a state dict load replaces them): stale, it is let go."""
+        if self.frame_prefetched is None:
+            return False
+        group = self.group
+        assert group is not None
+        fresh = len(self._frame_prefetched_from) == len(group.fsdp_params) and all(
+            p.local_shard() is shard and shard._version == version
+            for p, (shard, version) in zip(group.fsdp_params, self._frame_prefetched_from)
+        )
+        if not fresh:
+            self.drop_frame_prefetch()
+        return fresh
+
+    def drop_frame_prefetch(self) -> None:
+        """Eagerly: let go of a prefetch no frame will read, once its all-gather completed (its buffer
+        is in use until then, and a collective's tensor is waited on before it is freed)."""
+        if self.frame_prefetched is not None:
+            torch.ops._c10d_functional.wait_tensor(self.frame_prefetched)
+            self.frame_prefetched = None
+        self._frame_prefetched_from = []
+
+    def traced_frame_prefetch(self) -> list[torch.Tensor] | None:
+        """Traced in this block's frame: the parameters of the all-gather in flight for it (waited on
+        once, at the first read), or None where the frame gathers them itself."""
+        if self.frame_prefetched is None or not self.compiles_as_frame:
+            return None
+        if self.frame_gathered is None:
+            group = self.group
+            assert group is not None
+            self.frame_gathered = frame_prefetched_parameters(
+                self.frame_prefetched, [p.layout for p in group.fsdp_params], group.reduce_spec.shard_size,
             )
-            for fsdp_param in group.fsdp_params
-        ]
+        return self.frame_gathered
 
     def takes_prefetched_frame_gathers(self) -> bool:
-        """Whether an earlier graph (the previous block's frame; the root's pre-forward for the first
-        block) all-gathers this block's parameters for it: a block compiled as a frame, not training
-        its hooks eagerly, without CommPolicy's quantized all-gather or tensor-parallel parameters
-        (those gather in their own frame)."""
+        """Whether this block's frame reads an all-gather issued as a frame was entered (eagerly): a
+        block compiled as a frame, not training its hooks eagerly nor recomputing in backward, without
+        CommPolicy's quantized all-gather or tensor-parallel parameters (those gather in their own
+        frame's graph)."""
         group = self.group
         return (
-            self.compiles_as_frame and self.training_state is TrainingState.IDLE and group is not None
+            config.compile_blocks_as_frames and self._is_block() and self.training_state is TrainingState.IDLE
+            and torch._C._current_graph_task_id() == -1 and group is not None
             and not group.comm_policy.quantizes_all_gather and not any(p.tensor_parallel is not None for p in group.fsdp_params)
         )
 
@@ -366,6 +393,7 @@ class FSDPState:
         global _block_frame_in_trace
         _block_frame_in_trace = weakref.ref(self)
         self._learn_frame_order()
+        self._prefetch_frame_gathers()
         root = self.outermost()
         if root not in _roots_told_of_frames_prefetch:
             _roots_told_of_frames_prefetch.add(root)
@@ -453,7 +481,7 @@ class FSDPState:
             group_name, token = self.frame_label, BLOCK_FRAME_TOKEN  # one graph for every such block
         else:
             group_name, token = group.label, self.trace_token
-        prefetched_gathers = self.frame_prefetched if self.compiles_as_frame else None
+        prefetched_gathers = self.traced_frame_prefetch()
         unsharded = []
         for fsdp_param in fsdp_params:
             accumulated = deferred = None
@@ -531,14 +559,29 @@ class FSDPState:
             return args, kwargs
         if compiling or self.stands_aside_for_frames():
             # See [Note: parameter reads under torch.compile] in traceable.py.
-            if self.outer is None and torch.is_grad_enabled():
-                self._stage_accumulated_grads()
-            if self.outer is None and config.compile_blocks_as_frames:
-                self._begin_frame_handoff()
-                if compiling:
-                    self._prefetch_first_block_frame()
+            if self.outer is None:
+                if self._root_hooks_run_eagerly_for_frames(compiling):
+                    self.eager_frames_root_pre_forward()
+                elif torch.is_grad_enabled():
+                    self._stage_accumulated_grads()
             return self._cast_forward_inputs(args, kwargs)
         return self._pre_forward(module, args, kwargs)
+
+    @staticmethod
+    def _root_hooks_run_eagerly_for_frames(compiling: bool) -> bool:
+        """Whether the root's hooks hand their work (staging the no-sync sums, the frames' handoff) to
+        an eager call: blocks compiled as frames break the root's forward anyway, and Dynamo's trace of
+        those walks over every group would cost compile time per block (and guards on each)."""
+        return config.compile_blocks_as_frames and (not compiling or _blocks_as_frames_in_this_trace())
+
+    def _frames_root_pre_forward(self) -> None:
+        if torch.is_grad_enabled():
+            self._stage_accumulated_grads()
+        self._begin_frame_handoff()
+
+    def _frames_root_post_forward(self) -> None:
+        self._release_staged_grads()
+        self._begin_frame_handoff()
 
     def states_in_tree(self) -> list["FSDPState"]:
         """``all_states_under(self.modules)``, walked again only after a later fully_shard call: the
@@ -656,9 +699,10 @@ class FSDPState:
             return output
         if compiling or self.stands_aside_for_frames():
             if self.outer is None:
-                self._release_staged_grads()
-                if config.compile_blocks_as_frames:
-                    self._begin_frame_handoff()
+                if self._root_hooks_run_eagerly_for_frames(compiling):
+                    self.eager_frames_root_post_forward()
+                else:
+                    self._release_staged_grads()
             return self._cast_output(output)
         return self._post_forward(module, args, output)
 

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from fsdp_compile.mesh import TensorParallelLayout
 
 __all__ = [
-    "trace_annotation", "unshard_for_trace", "gather_for_prefetch", "install_traced_param_access", "FSDP_ANNOTATION_KEY",
+    "trace_annotation", "unshard_for_trace", "issue_frame_prefetch", "frame_prefetched_parameters", "install_traced_param_access", "FSDP_ANNOTATION_KEY",
     "TRACED_OP_DECOMPOSITIONS",
 ]
 
@@ -109,7 +109,7 @@ def _shard_rank_shape(like: torch.Tensor, shard_group_name: str) -> torch.Tensor
 def _prefetched_gather(
     prefetched: torch.Tensor, padded_shard: torch.Tensor, param_dtype: torch.dtype, shard_size: int, shard_group_name: str,
 ) -> torch.Tensor:
-    """A block frame's gathered parameter that the previous block's graph all-gathered
+    """A block frame's gathered parameter, all-gathered before its frame began
     ([Note: prefetch across block frames] in module.py). The joint-graph pass
     (``passes.recompute.read_prefetched_gathers``) makes the forward read ``prefetched`` and the
     backward gather ``padded_shard`` again; run as it stands (a backend without that pass), it
@@ -163,7 +163,7 @@ def _all_gather_shard_forward(
     prefetched: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Padded local shard (orig dtype, dim-0 view) -> gathered [world * chunk, ...] in param_dtype;
-    ``prefetched``: what an earlier graph gathered from this shard ([Note: prefetch across block frames])."""
+    ``prefetched``: what a prefetch gathered from this shard ([Note: prefetch across block frames])."""
     if prefetched is not None:
         return torch.ops.fsdp_compile.prefetched_gather(prefetched, padded_shard, param_dtype, shard_size, shard_group_name)
     quantize = None if quantize_dtype is None else (quantize_dtype, quantize_block_size)
@@ -261,7 +261,7 @@ def unshard_for_trace(
     CommPolicy's quantized all-gather, or None. ``tensor_parallel``: a tensor-parallel parameter's
     layout ([Note: FSDP over tensor-parallel parameters] in mesh.py): the gather over dp gives this
     rank's TP piece, returned as the user's DTensor, whose operations trace TP's own collectives.
-    ``prefetched``: the gathered parameter an earlier graph all-gathered (``gather_for_prefetch``),
+    ``prefetched``: the gathered parameter a prefetch all-gathered (``frame_prefetched_parameters``),
     read in place of this graph's own all-gather ([Note: prefetch across block frames] in module.py).
     """
     full = _unshard_local(
@@ -278,13 +278,33 @@ def _padded_local(sharded: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
     return _pad_rows(local, layout.chunk - local.shape[0])
 
 
-def gather_for_prefetch(
-    sharded: torch.Tensor, layout: ShardLayout, param_dtype: torch.dtype, spec: ReduceSpec, annotation: dict[str, object],
+def issue_frame_prefetch(
+    shards: list[torch.Tensor], padded_numels: list[int], param_dtype: torch.dtype, shard_size: int, shard_group_name: str,
 ) -> torch.Tensor:
-    """The next block's gathered parameter, all-gathered in this block's graph without autograd (its
-    own graph reduces the gradient); see [Note: prefetch across block frames] in module.py."""
-    with fx_traceback.annotate(annotation):
-        return _gather(_padded_local(sharded, layout).detach(), param_dtype, spec.shard_size, spec.shard_group_name)
+    """Eagerly, as a block frame is entered: the group's all-gather (one flat buffer, the eager
+    runtime's fused copy-in), returned in flight; the frame that reads it waits on it in its graph
+    (``frame_prefetched_parameters``). See [Note: prefetch across block frames] in module.py."""
+    with torch.no_grad():
+        flat = torch.ops.fsdp_compile.all_gather_copy_in_functional(shards, padded_numels, param_dtype)
+        return _functional.all_gather_into_tensor(flat, shard_size, shard_group_name)
+
+
+def frame_prefetched_parameters(in_flight: torch.Tensor, layouts: list[ShardLayout], shard_size: int) -> list[torch.Tensor]:
+    """Traced in the block frame: wait on ``issue_frame_prefetch``'s all-gather and copy each
+    parameter's rows out (one extern copy-out, as a bucket's: [Note: one copy-in and one copy-out per
+    bucket in compiled graphs] in kernels/ops.py), each the ``[world * chunk, ...]`` gather its own
+    all-gather would give."""
+    padded_numels, sizes, ndims = [], [], []
+    for layout in layouts:
+        dim0 = layout.dim0_shape(layout.padded_shard_shape)
+        numel = 1
+        for size in dim0:  # not layout.padded_shard_numel: Dynamo breaks the graph on math.prod of a generator
+            numel *= size
+        padded_numels.append(numel)
+        sizes += [shard_size * dim0[0], *dim0[1:]]
+        ndims.append(len(dim0))
+    rows = _functional.wait_tensor(in_flight).view(shard_size, -1)
+    return list(torch.ops.fsdp_compile.all_gather_copy_out_functional(rows, padded_numels, sizes, ndims))
 
 
 def _unshard_local(

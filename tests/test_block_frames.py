@@ -17,13 +17,13 @@ from benchmarks.measure import count_collectives
 from fsdp_compile import MixedPrecisionPolicy
 from fsdp_compile.backend import observe_graphs
 from fsdp_compile.models import Transformer, TransformerConfig
-from fsdp_compile.passes.graph import ALL_GATHER, GROUP_KEY, REDUCE_SCATTER, fsdp_annotation
+from fsdp_compile.passes.graph import ALL_GATHER, GROUP_KEY, REDUCE_SCATTER, WAIT, fsdp_annotation
+from fsdp_compile.state import FSDPState, block_frame_in_trace
 from test_compile_blocks import _IndexedBlock, _param_gap, _shard, _tokens, _train, steady_state_schedule
 from test_compile_graphs import _saved_all_gather_outputs
 from test_compiled_settings import _SETTING_CASES, _refused, _setting_case
 
 FRAME = "TransformerBlock (block frame)"
-NEXT_FRAME = "TransformerBlock (next block frame)"
 FIRST_FRAME = "_IndexedBlock (block frame)"
 
 
@@ -60,17 +60,38 @@ def _collectives_per_step(model: nn.Module, runner: nn.Module, steps: int) -> li
     return counted
 
 
+@contextlib.contextmanager
+def _prefetches_issued():
+    """Each block frame entered, with the blocks whose all-gathers were issued as it was entered."""
+    issue = FSDPState._issue_frame_prefetch
+    entries: list[tuple[str, list[str]]] = []
+
+    def recorded(state: FSDPState) -> None:
+        entered = block_frame_in_trace().label
+        if not entries or entries[-1][0] != entered or state.label in entries[-1][1]:
+            entries.append((entered, []))
+        entries[-1][1].append(state.label)
+        issue(state)
+
+    FSDPState._issue_frame_prefetch = recorded
+    try:
+        yield entries
+    finally:
+        FSDPState._issue_frame_prefetch = issue
+
+
 def _frames_against_eager(layers: int, backend: str, param_dtype_name: str | None = None, distinct_first: bool = False):
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     policy = MixedPrecisionPolicy(param_dtype=getattr(torch, param_dtype_name) if param_dtype_name else None)
     reference = _model(layers, distinct_first)
     eager, compiled = _shard(copy.deepcopy(reference), policy), _shard(copy.deepcopy(reference), policy)
-    with _blocks_as_frames(), observe_graphs() as graphs:
+    with _blocks_as_frames(), observe_graphs() as graphs, _prefetches_issued() as issued:
         runner = torch.compile(compiled, backend=backend)
         compiled_collectives = _collectives_per_step(compiled, runner, 2)
         compiled_losses = _train(runner, 2, seed=7)
     forwards = [g for kind, g in graphs if kind == "forward"]
+    frame_forwards = [g for g in forwards if _matmuls(g) and _waits_on_inputs(g)]
     # One backward per compiled block frame: the one that reduce-scatters its block's gradients.
     frame_backwards = [g for kind, g in graphs if kind == "backward" and _groups_reduced(g) & {FRAME, FIRST_FRAME}]
     return {
@@ -79,14 +100,10 @@ def _frames_against_eager(layers: int, backend: str, param_dtype_name: str | Non
         "frame_graphs": len(frame_backwards),
         "saved_gathered": sorted({group for g in forwards for group in _saved_all_gather_outputs(g)}),
         "frame_backwards_regather": [bool(_groups_gathered(g) & {FRAME, FIRST_FRAME}) for g in frame_backwards],
-        # The block frames that prefetch (the root's pre-forward prefetches the first block, in a
-        # graph without a matmul).
-        "prefetches_before_compute": [
-            _prefetch_before_first_matmul(g) for g in forwards if NEXT_FRAME in _groups_gathered(g) and _matmuls(g)
-        ],
-        "root_prefetches_first_block": any(
-            group.endswith("(next block frame)") for g in forwards if not _matmuls(g) for group in _groups_gathered(g)
-        ),
+        # The last step's forward: each block frame entered, and the all-gathers issued as it was.
+        "issued_at_entry": issued[1 - layers:],
+        "frame_forwards_gather": [bool(_groups_gathered(g)) for g in frame_forwards],
+        "frame_forwards_wait_before_compute": [_waits_on_inputs(g)[0] < _matmuls(g)[0] for g in frame_forwards],
         "compiled_collectives": compiled_collectives,
         "eager_collectives": _collectives_per_step(eager, eager, 2),
         "compiled_losses": compiled_losses,
@@ -108,11 +125,17 @@ def _matmuls(graph: torch.fx.GraphModule) -> list[int]:
     return [i for i, n in enumerate(graph.graph.nodes) if n.target in matmul]
 
 
-def _prefetch_before_first_matmul(graph: torch.fx.GraphModule) -> bool:
-    """Whether the next block's all-gather is issued before this block's first matmul."""
-    nodes = list(graph.graph.nodes)
-    prefetch = next(i for i, n in enumerate(nodes) if n.target is ALL_GATHER and fsdp_annotation(n)[GROUP_KEY] == NEXT_FRAME)
-    return prefetch < _matmuls(graph)[0]
+def _waits_on_inputs(graph: torch.fx.GraphModule) -> list[int]:
+    """Where the graph waits on a collective issued before it ran (a graph input)."""
+    return [i for i, n in enumerate(graph.graph.nodes) if n.target is WAIT and n.args[0].op == "placeholder"]
+
+
+def _prefetch_chain(labels: list[str]) -> list[tuple[str, list[str]]]:
+    """The all-gathers issued as each block frame is entered: the first block's own and the next
+    block's, then each next block's, none at the last."""
+    chain = [(label, [following]) for label, following in zip(labels, labels[1:])] + [(labels[-1], [])]
+    chain[0][1].insert(0, labels[0])
+    return [(label, issued) for label, issued in chain if issued]
 
 
 def _assert_trains_like_eager(result: dict, tolerance: float) -> None:
@@ -133,13 +156,15 @@ def test_blocks_as_frames_compile_one_graph_for_two_or_twelve_blocks_with_eagers
         # Nothing unsharded of a block is saved for backward: every block frame's backward gathers
         # its block again, and reduce-scatters it.
         assert FRAME not in result["saved_gathered"] and all(result["frame_backwards_regather"]), result
-        # Each block frame but the last issues the next block's all-gather before its first matmul;
-        # the root's pre-forward prefetches the first block.
-        assert result["prefetches_before_compute"] and all(result["prefetches_before_compute"]), result
-        assert result["root_prefetches_first_block"], result
-    # Two block frames at any depth, not one per block: every block but the last (takes a prefetch,
-    # prefetches the next) and the last (takes a prefetch). Twelve blocks compile no graph more than two.
-    assert (shallow["frame_graphs"], deep["frame_graphs"]) == (2, 2), (shallow, deep)
+        # Block i+1's all-gather is issued as block i's frame is entered, before its graph (and first
+        # matmul) runs; the frame's graph gathers nothing in forward and waits on its in-flight
+        # all-gather before its first matmul.
+        labels = [f"layers.{index}" for index in range(result["layers"])]
+        assert result["issued_at_entry"] == _prefetch_chain(labels), result
+        assert result["frame_forwards_gather"] == [False] and all(result["frame_forwards_wait_before_compute"]), result
+    # One block frame at any depth, not one per block: the first, the last and every other block
+    # take the same graph. Twelve blocks compile no graph more than two.
+    assert (shallow["frame_graphs"], deep["frame_graphs"]) == (1, 1), (shallow, deep)
     assert deep["unique_graphs"] == shallow["unique_graphs"], (shallow, deep)
 
 
@@ -148,11 +173,10 @@ def test_blocks_as_frames_match_eager_with_a_distinct_first_block(dist, backend,
     result = dist.run(2, _frames_against_eager, 3, backend, param_dtype_name, True)[0]
     _assert_trains_like_eager(result, 1e-2 if param_dtype_name else 1e-5)
     assert result["compiled_collectives"] == result["eager_collectives"], result
-    # Each distinct block frame compiles once: the distinct first block (prefetching the second),
-    # the second (prefetching the third) and the last.
-    assert result["frame_graphs"] == 3 and all(result["frame_backwards_regather"]), result
-    assert len(result["prefetches_before_compute"]) == 2 and all(result["prefetches_before_compute"]), result
-    assert result["root_prefetches_first_block"], result
+    # Each distinct block frame compiles once: the distinct first block, and the others.
+    assert result["frame_graphs"] == 2 and all(result["frame_backwards_regather"]), result
+    assert result["issued_at_entry"] == _prefetch_chain(["layers.0", "layers.1", "layers.2"]), result
+    assert result["frame_forwards_gather"] == [False, False] and all(result["frame_forwards_wait_before_compute"]), result
 
 
 # --- frames Dynamo runs eagerly ---------------------------------------------------------------------
