@@ -24,10 +24,11 @@ graph_check_timeout_s: float = 300.0
 compile_blocks_once: bool = True
 
 # Under fsdp_inductor (and fsdp_aot_eager), a whole-model torch.compile compiles each block as a Dynamo
-# frame of its own, its group's all-gathers and reduce-scatter in its graph, one graph for all identical
-# blocks: compile time stays flat with depth, but no collective crosses a block boundary (no prefetch of
-# the next block's parameters in the graph). Takes precedence over compile_blocks_once's regions; see
-# [Note: blocks compiled as frames] in module.py.
+# frame of its own, one graph for all identical blocks (compile time flat with depth): the frame waits on
+# its block's all-gather, issued as the frame before it was entered (the prefetch), and its backward
+# gathers again and reduce-scatters in its graph. Takes precedence over compile_blocks_once's regions
+# (fullgraph=True, which allows no frame, keeps the regions); see [Note: blocks compiled as frames] in
+# module.py.
 compile_blocks_as_frames: bool = False
 
 

@@ -509,41 +509,47 @@ def _forward_reparametrized(
 # PyTorch FSDP2's per-block compile, growing 0.65 s per layer. With config.compile_blocks_as_frames,
 # a block's forward instead breaks the caller's graph (state.eager_enter_block_frame, a
 # torch.compiler.disable'd call) and the rest of it is a Dynamo frame of its own: its graph reads the
-# block's shards, holds the group's all-gather (bucketed by the passes) before the body, and its
-# backward the group's reduce-scatter, with a resharding block gathering again in backward
-# (passes/recompute.py, as for any graph). Dynamo keys compiled frames by code object, and this code
-# is every block's: a block whose guards hold on the first one's graph runs that graph, so compile
-# time stays flat with depth. Nothing in the trace may then tell blocks apart: the annotations name
-# the block's class (frame_label) and a shared token rather than the group's label and state,
+# block's shards, takes the group's all-gather ([Note: prefetch across block frames]) before the body,
+# and its backward holds the group's reduce-scatter, with a resharding block gathering again in
+# backward (passes/recompute.py, as for any graph). Dynamo keys compiled frames by code object, and
+# this code is every block's: a block whose guards hold on the first one's graph runs that graph, so
+# compile time stays flat with depth. Nothing in the trace may then tell blocks apart: the annotations
+# name the block's class (frame_label) and a shared token rather than the group's label and state,
 # and the backend learns which block it admits from the eager call that entered the frame
 # (block_frame_in_trace). The groups outside blocks (the root) are read in several graphs, the
 # frames splitting their forward: the first read in a forward gathers the whole group and hands the
 # unsharded parameters to later graphs (FSDPState.unsharded_across_frames), so each group still
-# gathers and reduces once per step. Each frame prefetches the next block's all-gather
-# ([Note: prefetch across block frames]). A frame Dynamo gives up on (recompile limit, a skipped
-# frame) runs with the eager hooks, as any block ([Note: frames Dynamo runs eagerly]).
+# gathers and reduces once per step. The root's own hooks hand their bookkeeping (staging no-sync
+# sums, the handoff) to an eager call as well: traced, their walk over every group cost compile time
+# and guards per block. A frame Dynamo gives up on (recompile limit, a skipped frame) runs with the
+# eager hooks, as any block ([Note: frames Dynamo runs eagerly]).
 #
 # [Note: prefetch across block frames]
-# A block's all-gather issued in its own frame could only overlap that block's first ops, so each
-# block frame also all-gathers the next block's parameters (FSDPState.prefetch_next_block_frame,
-# traced after its body; the passes issue it right after the frame's own all-gather is waited on,
-# before its first matmul) and hands the gathered tensors to the next block's frame
-# (FSDPState.frame_prefetched, a Dynamo side effect; the frame lets go of them at its end, so at
-# most two blocks are unsharded at once in forward). The next block's reads trace the usual
-# all_gather_shard op with the prefetched tensor as an input: its autograd formula still
-# reduce-scatters the gradient in the next block's own backward, and the op's forward becomes
-# fsdp_compile::prefetched_gather, which passes/recompute.read_prefetched_gathers rewrites in the
-# joint graph: the forward reads the prefetched tensor (a graph input), and a resharding block's
-# backward all-gathers its shards again instead of saving it. The prefetch is a plain all-gather
-# of the shards, without autograd. The next block is learned eagerly as frames are entered
-# (FSDPState._learn_frame_order: the module tree's order at the first forward, then the order the
-# last forward ran them in), and the root's traced pre-forward prefetches the module tree's first
-# block (FSDPState._prefetch_first_block_frame), so every block takes a prefetch. Dynamo guards on
-# whether a block takes a prefetch and whether it has a next block, the same for every block but the
-# last: a chain of identical blocks compiles two frames at any depth. Not prefetched: a block with CommPolicy's
-# quantized all-gather or tensor-parallel parameters (it gathers in its own frame), and the groups
-# outside blocks. Backward prefetch stays within a frame: a block's backward gathers its shards
-# again at its start, and its reduce-scatter is waited at its end.
+# A block's all-gather traced into its own frame could only overlap that block's first ops, and one
+# traced into the previous block's frame (to prefetch) made the last block's graph differ from the
+# others' (it has no next block), so a chain of identical blocks compiled two frames. Instead the
+# all-gathers are issued between frames: as block i's frame is entered (eagerly, in
+# enter_block_frame), the eager runtime's fused copy-in lays out the shards of block i+1 and the
+# functional all-gather the graphs use is issued on them, left in flight (traceable.issue_frame_prefetch);
+# block i issues its own only when nothing prefetched it (the first block of a forward). The tensor in
+# flight goes to the next block's frame through FSDPState.frame_prefetched, a graph input there: its
+# first parameter read waits on it and copies every parameter out in one extern op
+# (traceable.frame_prefetched_parameters), and the reads trace the usual all_gather_shard op with that
+# parameter as its ``prefetched`` input, so the op's autograd formula still reduce-scatters the
+# gradient in the block's own backward. The op's forward becomes fsdp_compile::prefetched_gather,
+# which passes/recompute.read_prefetched_gathers rewrites in the joint graph: the forward reads the
+# prefetched parameter, and a resharding block's backward all-gathers its shards again (a graph node,
+# bucketed) instead of saving it. Every block's graph thus waits on an input and issues nothing
+# forward: the first, the last and every other block of a structure share one graph. Block i+1's
+# all-gather runs while block i computes; at most two blocks are unsharded at once in forward (the
+# frame lets go of its parameters at its end). A prefetch is checked before use: one whose shards
+# were written since (the optimizer's step) or that no frame took in its forward is waited on and let
+# go (FSDPState.drop_frame_prefetch), never read stale. The next block is learned eagerly as frames
+# are entered (FSDPState._learn_frame_order: the module tree's order at the first forward, then the
+# order the last forward ran them in). Not prefetched: a block with CommPolicy's quantized all-gather
+# or tensor-parallel parameters (it gathers in its own frame's graph), and the groups outside blocks.
+# Backward prefetch stays within a frame: a block's backward gathers its shards again at its start,
+# and its reduce-scatter is waited at its end.
 _UNBOUNDED_REUSE = (
     {"max_reuse_entries": sys.maxsize} if "max_reuse_entries" in inspect.signature(torch.compiler.nested_compile_region).parameters else {}
 )
