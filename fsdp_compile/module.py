@@ -79,6 +79,9 @@ class FSDPModule:
                 state.eager_enter_block_frame()  # a graph break: the rest is the block's own frame
                 if not torch.compiler.is_compiling():  # Dynamo runs that frame eagerly
                     return self._forward_with_eager_hooks(args, kwargs)
+                # Waited on and copied out here, outside any higher-order op of the body (a checkpointed
+                # region), where Dynamo refuses the side effect of keeping them.
+                state.traced_frame_prefetch()
                 output = super().forward(*args, **kwargs)  # type: ignore[misc]
                 # [Note: prefetch across block frames]: waited on and read, its unsharded parameters go with this graph's end.
                 state.frame_prefetched = state.frame_gathered = None

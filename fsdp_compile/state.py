@@ -202,6 +202,8 @@ class FSDPState:
         self.frame_prefetched: torch.Tensor | None = None
         self._frame_prefetched_from: list[tuple[torch.Tensor, int]] = []
         self.frame_gathered: list[torch.Tensor] | None = None
+        # On a root whose blocks compile as frames: between its (eager) pre- and post-forward.
+        self.frames_forward_running = False
         # On a root: the first block frame entered at the first forward (entered again, a new forward
         # began), and the last block frame entered.
         self._first_frame_block: FSDPState | None = None
@@ -251,8 +253,12 @@ class FSDPState:
 
     def reads_across_frames_eagerly(self) -> bool:
         """Whether an eager read of this group's parameter (its frame run eagerly, its hooks standing
-        aside in a compiled graph) takes ``unsharded_across_frames``, blocks compiled as frames."""
-        return config.compile_blocks_as_frames and self._is_outside_blocks() and self.hooks_stood_aside()
+        aside in a compiled graph) takes ``unsharded_across_frames``, blocks compiled as frames: only
+        during the compiled forward (``model.weight.grad`` read after it is the parameter's)."""
+        return (
+            config.compile_blocks_as_frames and self._is_outside_blocks() and self.outermost().frames_forward_running
+            and self.hooks_stood_aside()
+        )
 
     def _is_outside_blocks(self) -> bool:
         """A group that is no block (the root, a group of several modules, one with blocks inside):
@@ -392,6 +398,9 @@ class FSDPState:
         graph carries no block's identity. See [Note: blocks compiled as frames] in module.py."""
         global _block_frame_in_trace
         _block_frame_in_trace = weakref.ref(self)
+        # Only a compiled forward enters a block frame: its model runs compiled, also where this is the
+        # first of its groups Dynamo meets (no graph admitted the root's yet) and runs the frame eagerly.
+        self.outermost().runs_compiled = True
         self._learn_frame_order()
         self._prefetch_frame_gathers()
         root = self.outermost()
@@ -575,11 +584,16 @@ class FSDPState:
         return config.compile_blocks_as_frames and (not compiling or _blocks_as_frames_in_this_trace())
 
     def _frames_root_pre_forward(self) -> None:
+        # Called for a compiled forward (or one whose hooks stand aside for it): the model runs compiled,
+        # also where a block runs eagerly before any graph read a parameter (a disabled checkpoint call).
+        self.runs_compiled = True
+        self.frames_forward_running = True
         if torch.is_grad_enabled():
             self._stage_accumulated_grads()
         self._begin_frame_handoff()
 
     def _frames_root_post_forward(self) -> None:
+        self.frames_forward_running = False
         self._release_staged_grads()
         self._begin_frame_handoff()
 

@@ -22,6 +22,7 @@ from fsdp_compile.state import FSDPState, block_frame_in_trace
 from test_compile_blocks import _IndexedBlock, _param_gap, _shard, _tokens, _train, steady_state_schedule
 from test_compile_graphs import _saved_all_gather_outputs
 from test_compiled_settings import _SETTING_CASES, _refused, _setting_case
+from test_compiled_training import _close, _training_loops
 
 FRAME = "TransformerBlock (block frame)"
 FIRST_FRAME = "_IndexedBlock (block frame)"
@@ -279,3 +280,39 @@ def test_a_setting_a_blocks_frame_cannot_honour_is_refused_naming_it(dist):
     the block, is refused for the block that entered it."""
     for message in dist.run(2, _refused_with_frames, "reshard_after_backward"):
         assert "fsdp_inductor" in message and "set_reshard_after_backward(False)" in message and "blocks.0" in message, message
+
+
+def _training_loops_as_frames():
+    with _blocks_as_frames():
+        return _training_loops()
+
+
+def test_block_frames_train_checkpointed_skipped_accumulating_and_evaluated_blocks_like_eager(dist):
+    # Blocks whose bodies checkpoint (the prefetched parameters are taken outside the checkpointed
+    # region), a no-sync accumulation, a block skipped on one step (its prefetch let go, never read
+    # stale) and eval under no_grad between steps: as eagerly, and eval then train again compiles nothing.
+    loops = dist.run(2, _training_loops_as_frames)[0]
+    assert _close(loops["eager"]["losses"], loops["compiled"]["losses"]), loops
+    assert _close(loops["eager"]["eval"], loops["compiled"]["eval"]), loops
+    assert _close(loops["eager"]["grad_norms"], loops["compiled"]["grad_norms"]), loops
+    assert loops["param_gap"] < 1e-5 and loops["graphs"][0] == loops["graphs"][1], loops
+
+
+def _root_parameter_read_after_a_compiled_forward():
+    from test_comm_policy import _Weighted
+
+    torch._dynamo.reset()
+    with _blocks_as_frames():
+        model = _Weighted()
+        fsdp_compile.fully_shard(model)
+        torch.compile(model, backend="fsdp_aot_eager")(torch.full((8192,), float(torch.distributed.get_rank() + 1))).backward()
+        grad = model.weight.grad
+        return {"parameter": isinstance(model.weight, nn.Parameter), "grad": None if grad is None else grad.full_tensor()[:4].tolist()}
+
+
+def test_a_root_parameter_read_after_a_compiled_forward_is_the_parameter_with_its_gradient(dist):
+    # During the forward an eager read of the root's parameter takes what its graphs gathered; after
+    # it, ``model.weight`` is the sharded parameter again and ``.grad`` its reduced gradient (the mean
+    # of the ranks' 1 and 2), not an unsharded tensor without one.
+    result = dist.run(2, _root_parameter_read_after_a_compiled_forward)[0]
+    assert result == {"parameter": True, "grad": [1.5] * 4}, result
