@@ -342,22 +342,19 @@ class FSDPState:
         self.frame_prefetched = issue_frame_prefetch(
             shards, [p.padded_shard_numel for p in group.fsdp_params], group.param_dtype, spec.shard_size, spec.shard_group_name,
         )
-        self._frame_prefetched_from = [(p.local_shard(), p.local_shard()._version) for p in group.fsdp_params]
+        self._frame_prefetched_from = [(shard, shard._version) for shard in (p.local_shard() for p in group.fsdp_params)]
 
     def _holds_fresh_prefetch(self) -> bool:
         """An all-gather in flight for this block whose shards nothing wrote since (the optimizer's step
-        writes them in place, a state dict load replaces them): stale, it is let go."""
+        writes them in place, a state dict load replaces them); a stale one _issue_frame_prefetch lets go."""
         if self.frame_prefetched is None:
             return False
         group = self.group
         assert group is not None
-        fresh = len(self._frame_prefetched_from) == len(group.fsdp_params) and all(
+        return len(self._frame_prefetched_from) == len(group.fsdp_params) and all(
             p.local_shard() is shard and shard._version == version
             for p, (shard, version) in zip(group.fsdp_params, self._frame_prefetched_from)
         )
-        if not fresh:
-            self.drop_frame_prefetch()
-        return fresh
 
     def drop_frame_prefetch(self) -> None:
         """Eagerly: let go of a prefetch no frame will read, once its all-gather completed (its buffer
@@ -369,7 +366,7 @@ class FSDPState:
 
     def traced_frame_prefetch(self) -> list[torch.Tensor] | None:
         """Traced in this block's frame: the parameters of the all-gather in flight for it (waited on
-        once, at the first read), or None where the frame gathers them itself."""
+        and copied out once, at the frame's start), or None where the frame gathers them itself."""
         if self.frame_prefetched is None or not self.compiles_as_frame:
             return None
         if self.frame_gathered is None:
@@ -398,12 +395,12 @@ class FSDPState:
         graph carries no block's identity. See [Note: blocks compiled as frames] in module.py."""
         global _block_frame_in_trace
         _block_frame_in_trace = weakref.ref(self)
+        root = self.outermost()
         # Only a compiled forward enters a block frame: its model runs compiled, also where this is the
         # first of its groups Dynamo meets (no graph admitted the root's yet) and runs the frame eagerly.
-        self.outermost().runs_compiled = True
+        root.runs_compiled = True
         self._learn_frame_order()
         self._prefetch_frame_gathers()
-        root = self.outermost()
         if root not in _roots_told_of_frames_prefetch:
             _roots_told_of_frames_prefetch.add(root)
             explicit = [s.label for s in root.states_in_tree() if s.forward_prefetch or s.backward_prefetch]

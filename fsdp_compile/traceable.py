@@ -271,13 +271,6 @@ def unshard_for_trace(
     return full if tensor_parallel is None else tensor_parallel.unsharded(full)
 
 
-def _padded_local(sharded: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
-    """The local shard in the gathered layout's rows, padded to the chunk. Always padded (possibly by
-    0 rows): every rank must trace the same ops (fingerprint check)."""
-    local = layout.to_dim0(sharded.to_local())
-    return _pad_rows(local, layout.chunk - local.shape[0])
-
-
 def issue_frame_prefetch(
     shards: list[torch.Tensor], padded_numels: list[int], param_dtype: torch.dtype, shard_size: int, shard_group_name: str,
 ) -> torch.Tensor:
@@ -314,7 +307,9 @@ def _unshard_local(
     prefetched: torch.Tensor | None,
 ) -> torch.Tensor:
     with fx_traceback.annotate(annotation):
-        padded = _padded_local(sharded, layout)
+        local = layout.to_dim0(sharded.to_local())
+        # Always pad (possibly by 0 rows): every rank must trace the same ops (fingerprint check).
+        padded = _pad_rows(local, layout.chunk - local.shape[0])
         if not requires_gradient_sync:
             if prefetched is not None:
                 gathered = torch.ops.fsdp_compile.prefetched_gather(
