@@ -19,11 +19,11 @@ MODES = ("ours-eager", "ours-compiled", "ours-fallback", "torch-eager", "torch-b
 # ours-compiled with some graph passes off, for a before/after-passes table from one run
 # (--pass-ablation adds them; --modes may name them).
 PASS_ABLATION_MODES = ("ours-compiled-bucket", "ours-compiled-nopasses")
-# --compile-scaling: the four ways users compile our FSDP model (whole model with the collectives
-# in the graph, as block regions or as block frames; per block; whole model with the hooks eager) and
+# --compile-scaling: the four ways users compile our FSDP model (whole model, each block a frame of its
+# own (the default) or a nested region of one graph; per block; whole model with the hooks eager) and
 # PyTorch's two (per block, whole model).
 SCALING_MODES = (
-    "ours-compiled", "ours-compiled-frames", "ours-blockcompile", "ours-fallback", "torch-blockcompile", "torch-compiled",
+    "ours-compiled", "ours-compiled-regions", "ours-blockcompile", "ours-fallback", "torch-blockcompile", "torch-compiled",
 )
 SCALING_LAYERS = (2, 8, 16, 32)
 BASELINE_SPEED = "torch-eager"
@@ -71,11 +71,12 @@ class BenchConfig:
 _EPILOG = """\
 modes (all run in one process per rank, interleaved step by step: A B C A B C ...):
   ours-eager          fsdp_compile.fully_shard per block + root, eager
-  ours-compiled       the same, then torch.compile(model, backend="fsdp_inductor")
+  ours-compiled       the same, then torch.compile(model, backend="fsdp_inductor"): each block compiled
+                      as a frame of its own, one graph for identical blocks
   ours-fallback       the same, fsdp_compile.config.skip_fsdp_hooks = True around each step,
                       torch.compile(model, backend="inductor")
-  ours-compiled-frames  ours-compiled with fsdp_compile.config.compile_blocks_as_frames = True around
-                      each step: each block a frame of its own, its collectives in its graph (not in
+  ours-compiled-regions  ours-compiled with fsdp_compile.config.compile_blocks_as_frames = False around
+                      each step: the whole model one graph, a nested compile region per block (not in
                       the default set)
   ours-blockcompile   fsdp_compile.fully_shard per block + root, block.compile(backend="fsdp_inductor")
                       per block (torchtitan's recipe; not in the default set)

@@ -33,7 +33,7 @@ _PASSES = {
     "ours-compiled-nopasses": PassConfig(bucket=False, reorder=False),
     **{name: PassConfig() for name in COMM_POLICY_MODES if name.startswith("ours-compiled-")},
 }
-COMPILED = frozenset({"ours-fallback", "ours-compiled-frames", "ours-blockcompile", "torch-blockcompile", "torch-compiled", *_PASSES})
+COMPILED = frozenset({"ours-fallback", "ours-compiled-regions", "ours-blockcompile", "torch-blockcompile", "torch-compiled", *_PASSES})
 
 
 @dataclass
@@ -94,19 +94,19 @@ def _shard(model: Transformer, fully_shard, policy, **kwargs) -> Transformer:
     return model
 
 
-def _config_switch(name: str) -> Callable[[], ContextManager]:
-    """A context that turns ``fsdp_compile.config.<name>`` on while it is open."""
+def _config_switch(name: str, value: bool = True) -> Callable[[], ContextManager]:
+    """A context that sets ``fsdp_compile.config.<name>`` to ``value`` while it is open."""
 
     @contextlib.contextmanager
-    def switched_on():
+    def switched():
         previous = getattr(fsdp_compile.config, name)
-        setattr(fsdp_compile.config, name, True)
+        setattr(fsdp_compile.config, name, value)
         try:
             yield
         finally:
             setattr(fsdp_compile.config, name, previous)
 
-    return switched_on
+    return switched
 
 
 def build_mode(name: str, config: TransformerConfig, device: torch.device, seed: int, lr: float, bf16: bool, tp: int = 1) -> Mode:
@@ -128,10 +128,11 @@ def build_mode(name: str, config: TransformerConfig, device: torch.device, seed:
             # One backend object per mode: Dynamo would otherwise hand a later mode the graph (and
             # passes) compiled for an earlier one, the model class being the same.
             runnable = torch.compile(model, backend=fsdp_inductor_with(_PASSES[name]))
-        elif name == "ours-compiled-frames":
-            # Each block a Dynamo frame of its own (fsdp_compile.config.compile_blocks_as_frames), on
-            # only during this mode's steps; its own backend object, as for the modes above.
-            step_context = _config_switch("compile_blocks_as_frames")
+        elif name == "ours-compiled-regions":
+            # The whole model as one graph, a nested compile region per block
+            # (fsdp_compile.config.compile_blocks_as_frames off only during this mode's steps); its own
+            # backend object, as for the modes above.
+            step_context = _config_switch("compile_blocks_as_frames", False)
             runnable = torch.compile(model, backend=fsdp_inductor_with(PassConfig()))
         elif name == "ours-blockcompile":
             # torchtitan's per-block recipe on ours: each block's forward compiled alone, the eager

@@ -80,7 +80,7 @@ def _ratio(numerator: float | None, denominator: float | None) -> str:
 
 
 # Ours, each way users compile it, against issue 17's targets.
-_TARGET_MODES = ("ours-compiled", "ours-compiled-frames", "ours-blockcompile", "ours-fallback")
+_TARGET_MODES = ("ours-compiled", "ours-compiled-regions", "ours-blockcompile", "ours-fallback")
 
 
 def _target_lines(runs: dict[int, dict[str, dict]]) -> list[str]:
@@ -95,7 +95,7 @@ def _target_lines(runs: dict[int, dict[str, dict]]) -> list[str]:
                 lines.append(f"- {what} at 16 layers, {mode} / torch-blockcompile: "
                              f"{_ratio(_figure(cold[16], mode, key), _figure(cold[16], 'torch-blockcompile', key))} (target <= {target})")
         if "torch-compiled" in cold[16]["modes"]:
-            for mode in ("ours-compiled", "ours-compiled-frames"):
+            for mode in ("ours-compiled", "ours-compiled-regions"):
                 if mode in ran:
                     lines.append(f"- cold compile at 16 layers, {mode} / torch-compiled (both whole model): "
                                  f"{_ratio(_figure(cold[16], mode, 'compile_cold_s'), _figure(cold[16], 'torch-compiled', 'compile_cold_s'))}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import os
 import warnings
 from typing import Any, Callable, Iterator, Sequence
 
@@ -311,6 +312,25 @@ def traced_without_graph_breaks() -> bool:
     under such a trace they are regions instead ([Note: blocks compiled as frames] in module.py)."""
     tx = _dynamo_tracer()
     return tx is not None and bool(getattr(tx, "one_graph", False) or getattr(tx, "error_on_graph_break", False))
+
+
+_MODULE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "module.py")
+
+
+@torch._dynamo.assume_constant_result
+def traced_in_a_callers_higher_order_op() -> bool:
+    """Read while Dynamo traces a block's call: whether it is traced inside the body of a higher-order
+    op of a frame other than a block frame's own (``checkpoint(block, x)``, as Hugging Face's gradient
+    checkpointing calls its layers), where the graph may not break: that block is compiled in its
+    caller's graph, as a region, not as a frame of its own ([Note: blocks compiled as frames] in
+    module.py). A block frame's own higher-order ops (a checkpointed body) do not count."""
+    tx = _dynamo_tracer()
+    if tx is None or tx.output.current_tracer.parent is None:
+        return False
+    root_code = tx.output.root_tx.f_code
+    # The rest of a block's forward after its frame's graph break: Dynamo's resume function of
+    # FSDPModule.forward, named after it, in the same file.
+    return not (root_code.co_filename == _MODULE_FILE and root_code.co_name.startswith("torch_dynamo_resume_in_forward"))
 
 
 @torch._dynamo.assume_constant_result

@@ -17,19 +17,20 @@ skip_fsdp_hooks: bool = False
 # collective) for the other ranks to compile the same; see [Note: cross-rank graph check].
 graph_check_timeout_s: float = 300.0
 
-# Under fsdp_inductor (and fsdp_aot_eager), compile the body of structurally identical fully_shard
-# blocks once and reuse it (a nested compile region per block; see [Note: compile once per block] in
-# module.py). False, or another backend (backend.traced_for_an_fsdp_backend): every block is traced
+# Under fsdp_inductor (and fsdp_aot_eager), where blocks are not compiled as frames (below), compile the
+# body of structurally identical fully_shard blocks once and reuse it (a nested compile region per block;
+# see [Note: compile once per block] in module.py). False, or another backend (backend.traced_for_an_fsdp_backend): every block is traced
 # and compiled inline, as one graph.
 compile_blocks_once: bool = True
 
 # Under fsdp_inductor (and fsdp_aot_eager), a whole-model torch.compile compiles each block as a Dynamo
 # frame of its own, one graph for all identical blocks (compile time flat with depth): the frame waits on
 # its block's all-gather, issued as the frame before it was entered (the prefetch), and its backward
-# gathers again and reduce-scatters in its graph. Takes precedence over compile_blocks_once's regions
-# (fullgraph=True, which allows no frame, keeps the regions); see [Note: blocks compiled as frames] in
-# module.py.
-compile_blocks_as_frames: bool = False
+# gathers again and reduce-scatters in its graph. On by default; False: the whole model is one graph,
+# each block a nested compile region of it (compile_blocks_once), its collectives graph nodes that the
+# passes bucket and reorder across blocks, at a compile time that grows with depth. fullgraph=True,
+# which allows no frame, keeps the regions; see [Note: blocks compiled as frames] in module.py.
+compile_blocks_as_frames: bool = True
 
 
 # --- Graph passes of backend="fsdp_inductor" / "fsdp_aot_eager" (DESIGN.md section 5) ---------------

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import re
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -28,7 +29,10 @@ import torch.fx as fx
 
 from fsdp_compile.annotations import GROUP_KEY
 
-__all__ = ["collective_fingerprint", "check_collectives_match_across_ranks"]
+__all__ = [
+    "collective_fingerprint", "check_collectives_match_across_ranks", "check_block_frames_match_across_ranks",
+    "block_frames_fingerprint", "END_OF_FORWARD",
+]
 
 _PREFIX = "fsdp_compile/collectives"
 _POLL_S = 0.02
@@ -101,14 +105,62 @@ def _store_and_ranks() -> tuple[object, int, int] | None:
 
 def check_collectives_match_across_ranks(gm: fx.GraphModule) -> None:
     """See [Note: cross-rank graph check]; raises on every diverging rank, naming the ranks."""
-    from fsdp_compile import config
-
     found = _store_and_ranks()
     if found is None:
         return
+    _await_every_rank(found, _frame_key(), collective_fingerprint(gm), "", _raise_divergence)
+
+
+def check_block_frames_match_across_ranks(model: str, entered: tuple[str, ...], fingerprint: str) -> None:
+    """Eagerly, as a compiled forward of ``model`` enters a block frame (and as it ends): this rank
+    entered the blocks ``entered`` (labels, in order, ending in END_OF_FORWARD at the end) so far;
+    ``fingerprint`` hashes them (block_frames_fingerprint). Where this sequence is new to this rank,
+    waits for every rank to have entered the same before any collective of the frame is issued.
+    See [Note: ranks entering different block frames]."""
+    found = _store_and_ranks()
+    if found is None:
+        return
+    seen = (_generation, model, fingerprint)
+    if seen in _frame_sequences_agreed:
+        return
+    key = f"frames/{model}/{len(entered)}"
+    _await_every_rank(found, key, fingerprint, " -> ".join(entered), _raise_frames_divergence)
+    _frame_sequences_agreed.add((_generation, model, fingerprint))
+
+
+END_OF_FORWARD = "end of forward"
+
+
+def block_frames_fingerprint(previous: str, label: str) -> str:
+    """The fingerprint of a sequence of entered blocks, from its prefix's and its last block's label."""
+    return hashlib.sha256(f"{previous}\n{label}".encode()).hexdigest()[:16]
+
+
+# [Note: ranks entering different block frames]
+# With compile_blocks_as_frames every block frame is one graph shared by every identical block, so the
+# graph check above cannot see ranks whose control flow enters different blocks (rank 0 runs a block
+# rank 1 skips): each compiles the same graph, or none at all, and their all-gathers, issued between
+# frames, and reduce-scatters would then pair up wrongly or hang. What must match there is the
+# sequence of blocks a forward enters, so each rank checks that instead, as blocks are entered and
+# before the frame's collectives: a prefix of the sequence new to this rank is published and awaited
+# in the store as a new graph's collectives are. A sequence every rank entered before costs a set
+# lookup; a forward that ends early on one rank is told apart by END_OF_FORWARD.
+_frame_sequences_agreed: set[tuple[int, str, str]] = set()
+
+
+def _await_every_rank(
+    found: tuple[object, int, int], key: str, fingerprint: str, description: str,
+    raise_divergence: Callable[[object, str, int, str, dict[int, str]], None],
+) -> None:
+    """Publishes ``fingerprint`` under ``key`` and waits (in the store) until every rank published it
+    too, unless one did already; raises through ``raise_divergence`` when another rank waits on a
+    different fingerprint this rank never published, and after ``config.graph_check_timeout_s``."""
+    from fsdp_compile import config
+
     store, rank, world = found
-    frame, fingerprint = _frame_key(), collective_fingerprint(gm)
-    prefix = f"{_PREFIX}/{_generation}/{frame}"
+    prefix = f"{_PREFIX}/{_generation}/{key}"
+    if description:
+        store.set(f"{prefix}/described/{fingerprint}", description)
     store.set(f"{prefix}/{fingerprint}/{rank}", "1")
     missing = [r for r in range(world) if r != rank and not store.check([f"{prefix}/{fingerprint}/{r}"])]
     if not missing:
@@ -124,11 +176,11 @@ def check_collectives_match_across_ranks(gm: fx.GraphModule) -> None:
             theirs = store.get(f"{prefix}/waiting/{other}").decode() if store.check([f"{prefix}/waiting/{other}"]) else ""
             if theirs and theirs != fingerprint and not store.check([f"{prefix}/{theirs}/{rank}"]):
                 # This rank's waiting key stays set: the other rank sees the same standoff and raises too.
-                _raise_divergence(rank, fingerprint, {other: theirs})
+                raise_divergence(store, prefix, rank, fingerprint, {other: theirs})
         if missing and time.monotonic() > deadline:
             raise RuntimeError(
-                f"fsdp_inductor: rank {rank} compiled a graph whose collectives ({fingerprint}) ranks {missing} "
-                f"have not compiled after {config.graph_check_timeout_s:.0f} s. Every rank must run the same "
+                f"fsdp_inductor: rank {rank} compiled a graph or entered fully_shard blocks ({description or fingerprint}) "
+                f"that ranks {missing} have not after {config.graph_check_timeout_s:.0f} s. Every rank must run the same "
                 "code path (no control flow on the rank or on rank-local data that changes which parameters "
                 "are gathered), or their collectives would hang."
             )
@@ -137,7 +189,7 @@ def check_collectives_match_across_ranks(gm: fx.GraphModule) -> None:
     store.set(waiting_key, "")
 
 
-def _raise_divergence(rank: int, mine: str, others: dict[int, str]) -> None:
+def _raise_divergence(store: object, prefix: str, rank: int, mine: str, others: dict[int, str]) -> None:
     global _generation
     _generation += 1
     listed = "; ".join([f"rank {rank} traced collectives {mine}"] + [f"rank {r} traced collectives {fp}" for r, fp in others.items()])
@@ -146,4 +198,21 @@ def _raise_divergence(rank: int, mine: str, others: dict[int, str]) -> None:
         "differ. Every rank must run the same code path (no control flow on the rank or on rank-local data that "
         "changes which parameters are gathered), or their collectives would hang. Move rank-dependent logic "
         "outside the compiled model."
+    )
+
+
+def _raise_frames_divergence(store: object, prefix: str, rank: int, mine: str, others: dict[int, str]) -> None:
+    global _generation
+    _generation += 1
+
+    def entered(fingerprint: str) -> str:
+        key = f"{prefix}/described/{fingerprint}"
+        return store.get(key).decode() if store.check([key]) else fingerprint  # type: ignore[attr-defined]
+
+    listed = "; ".join([f"rank {rank} entered {entered(mine)}"] + [f"rank {r} entered {entered(fp)}" for r, fp in others.items()])
+    raise RuntimeError(
+        f"fsdp_inductor: ranks entered different fully_shard blocks in one compiled forward ({listed}); ranks "
+        f"{sorted([rank, *others])} differ. Every rank must run the same blocks in the same order (no control flow on "
+        "the rank or on rank-local data that skips or reorders a fully_shard module), or their collectives would "
+        "hang. Move rank-dependent logic outside the compiled model."
     )

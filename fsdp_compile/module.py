@@ -120,8 +120,10 @@ class FSDPModule:
     def compile(self, *args: Any, **kwargs: Any) -> None:
         """``module.compile(...)`` (``torch.compile``'s arguments).
 
-        On the root (the whole model): compiled as one graph, with the all-gathers and
-        reduce-scatters in it and a nested compile region per block (see
+        On the root (the whole model): each block compiled as a Dynamo frame of its own, one graph
+        for all identical blocks (see [Note: blocks compiled as frames]; with
+        ``config.compile_blocks_as_frames = False`` or ``fullgraph=True``, one graph with the
+        all-gathers and reduce-scatters in it and a nested compile region per block, see
         [Note: compile once per block]). On a block (torchtitan's per-block recipe,
         ``for block in model.layers: block.compile(backend="fsdp_inductor")``): the block's forward
         is compiled alone and its FSDP hooks run eagerly around it, as with PyTorch FSDP2, so

@@ -22,8 +22,9 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from fsdp_compile import config
 from fsdp_compile.api import BackwardPrefetch, MixedPrecisionPolicy
-from fsdp_compile.backend import traced_for_an_fsdp_backend, traced_without_graph_breaks
+from fsdp_compile.backend import traced_for_an_fsdp_backend, traced_in_a_callers_higher_order_op, traced_without_graph_breaks
 from fsdp_compile.comm_context import CommContext
+from fsdp_compile.graph_check import END_OF_FORWARD, block_frames_fingerprint, check_block_frames_match_across_ranks
 from fsdp_compile.param_group import FSDPParamGroup, TrainingState
 from fsdp_compile.structures import map_tensors, tensors_in
 from fsdp_compile.traceable import frame_prefetched_parameters, issue_frame_prefetch, trace_annotation, unshard_for_trace
@@ -51,6 +52,14 @@ def _blocks_as_frames_in_this_trace() -> bool:
     """``config.compile_blocks_as_frames``, unless the trace may not break the graph (fullgraph=True),
     where blocks are regions as before ([Note: blocks compiled as frames] in module.py)."""
     return config.compile_blocks_as_frames and not traced_without_graph_breaks()
+
+
+def _inside_a_compiled_call() -> bool:
+    """Whether this eager code runs inside a torch.compile'd call, in a frame Dynamo did not compile:
+    one it gave up on, or one whose code it skips for good because an earlier trace of it held no op
+    (the eager fallback's hooks, which stand aside when traced, leave that mark on code every model
+    shares). The model runs compiled there, even before any of its own graphs said so."""
+    return bool(torch._C._dynamo.eval_frame.get_eval_frame_callback())
 
 
 def block_frame_in_trace() -> "FSDPState | None":
@@ -208,6 +217,10 @@ class FSDPState:
         # began), and the last block frame entered.
         self._first_frame_block: FSDPState | None = None
         self._last_frame_block: FSDPState | None = None
+        # On a root: the blocks this forward entered so far and their fingerprint, checked against the
+        # other ranks' ([Note: ranks entering different block frames] in graph_check.py).
+        self._frames_entered: list[str] = []
+        self._frames_entered_fingerprint = ""
 
     @property
     def reshards_after_forward(self) -> bool:
@@ -227,7 +240,7 @@ class FSDPState:
         2.13's invoke_subgraph refuses it, and the compile failed); that block is traced inline.
         Only our backends compile regions correctly (``backend.traced_for_an_fsdp_backend``)."""
         return (
-            config.compile_blocks_once and not _blocks_as_frames_in_this_trace() and self._is_block()
+            config.compile_blocks_once and not self.compiles_as_frame and self._is_block()
             and torch._dynamo.config.assume_static_by_default and not (self.keeps_running_stats and self.modules[0].training)
             and traced_for_an_fsdp_backend()
         )
@@ -237,7 +250,10 @@ class FSDPState:
         """Whether this block's forward is compiled as a Dynamo frame of its own, with its group's
         collectives in its graph and nothing in the trace that tells blocks apart
         (``config.compile_blocks_as_frames``; see [Note: blocks compiled as frames] in module.py)."""
-        return _blocks_as_frames_in_this_trace() and self._is_block() and traced_for_an_fsdp_backend()
+        return (
+            _blocks_as_frames_in_this_trace() and self._is_block() and traced_for_an_fsdp_backend()
+            and not traced_in_a_callers_higher_order_op()
+        )
 
     def _is_block(self) -> bool:
         """A fully_shard module inside another, with none inside it and one module in its group, not
@@ -274,7 +290,8 @@ class FSDPState:
         root = self.outermost()
         return (
             config.compile_blocks_as_frames and not config.skip_fsdp_hooks and self.training_state is TrainingState.IDLE
-            and root.runs_compiled and root.training_state is TrainingState.IDLE and torch._C._current_graph_task_id() == -1
+            and (root.runs_compiled or _inside_a_compiled_call()) and root.training_state is TrainingState.IDLE
+            and torch._C._current_graph_task_id() == -1
         )
 
     def unsharded_across_frames(self, fsdp_param: "FSDPParam") -> torch.Tensor:
@@ -399,6 +416,7 @@ class FSDPState:
         # Only a compiled forward enters a block frame: its model runs compiled, also where this is the
         # first of its groups Dynamo meets (no graph admitted the root's yet) and runs the frame eagerly.
         root.runs_compiled = True
+        root._check_frames_entered_across_ranks(self.label)
         self._learn_frame_order()
         self._prefetch_frame_gathers()
         if root not in _roots_told_of_frames_prefetch:
@@ -580,17 +598,26 @@ class FSDPState:
         those walks over every group would cost compile time per block (and guards on each)."""
         return config.compile_blocks_as_frames and (not compiling or _blocks_as_frames_in_this_trace())
 
+    def _check_frames_entered_across_ranks(self, label: str) -> None:
+        """On the root, eagerly, as its compiled forward enters the block ``label`` (or ends): see
+        [Note: ranks entering different block frames] in graph_check.py."""
+        self._frames_entered.append(label)
+        self._frames_entered_fingerprint = block_frames_fingerprint(self._frames_entered_fingerprint, label)
+        check_block_frames_match_across_ranks(self.label, tuple(self._frames_entered), self._frames_entered_fingerprint)
+
     def _frames_root_pre_forward(self) -> None:
         # Called for a compiled forward (or one whose hooks stand aside for it): the model runs compiled,
         # also where a block runs eagerly before any graph read a parameter (a disabled checkpoint call).
         self.runs_compiled = True
         self.frames_forward_running = True
+        self._frames_entered, self._frames_entered_fingerprint = [], ""
         if torch.is_grad_enabled():
             self._stage_accumulated_grads()
         self._begin_frame_handoff()
 
     def _frames_root_post_forward(self) -> None:
         self.frames_forward_running = False
+        self._check_frames_entered_across_ranks(END_OF_FORWARD)
         self._release_staged_grads()
         self._begin_frame_handoff()
 

@@ -35,6 +35,8 @@ from fsdp_compile.param_group import TrainingState
 
 if TYPE_CHECKING:
     from fsdp_compile.mesh import TensorParallelLayout
+    from fsdp_compile.param import FSDPParam
+    from fsdp_compile.state import FSDPState
 
 __all__ = [
     "trace_annotation", "unshard_for_trace", "issue_frame_prefetch", "frame_prefetched_parameters", "install_traced_param_access", "FSDP_ANNOTATION_KEY",
@@ -345,18 +347,30 @@ def _param_property(name: str) -> property:
             return registered
         if not isinstance(registered, torch.nn.Parameter):  # a block region's input, see module.py
             return registered
-        if torch.compiler.is_compiling() and not config.skip_fsdp_hooks:
+        if torch.compiler.is_compiling():
+            if config.skip_fsdp_hooks:
+                return registered
             if state.gathers_once_across_frames:
                 return state.unsharded_across_frames(fsdp_param)
             first = fsdp_param.refs[0]
             return state.traced_unshard([fsdp_param], first_place=first.module is module and first.name == name)[0]
-        if state.reads_across_frames_eagerly():
-            # This read runs eagerly (Dynamo gave up on its frame) while the model runs compiled:
-            # the same functional all-gather, run eagerly, or what a graph gathered before it.
-            return state.unsharded_across_frames(fsdp_param)
+        if state.outermost().frames_forward_running:
+            return _read_eagerly(state, fsdp_param, registered)
         return registered
 
     return property(read, doc=f"FSDP-managed parameter '{name}' (see [Note: parameter reads under torch.compile])")
+
+
+@torch._dynamo.disable(recursive=True)
+def _read_eagerly(state: "FSDPState", fsdp_param: "FSDPParam", registered: torch.Tensor) -> torch.Tensor:
+    # A read that runs eagerly under a compiled model (Dynamo gave up on its frame, or skips this
+    # property's code: a frame of it compiled to no graph before, under the eager fallback) is not
+    # compiled piecewise either: its frames would split the group's gather over several graphs.
+    if state.reads_across_frames_eagerly():
+        # The model runs compiled: the same functional all-gather, run eagerly, or what a graph
+        # gathered before it.
+        return state.unsharded_across_frames(fsdp_param)
+    return registered
 
 
 def _assign_managed(module: torch.nn.Module, name: str, value: object) -> None:

@@ -251,3 +251,20 @@ def assert_matches_reference(results: list, loss_rtol: float, param_atol: float)
         assert abs(ours - ref) <= loss_rtol * abs(ref), f"step {step}: loss {ours} vs reference {ref}"
     assert first.max_param_gap <= param_atol, f"parameters differ from the reference by {first.max_param_gap}"
     assert first.movement > 100 * param_atol, f"parameters moved only {first.movement}: the comparison proves nothing"
+
+
+@contextlib.contextmanager
+def blocks_as_frames(on: bool = True, recompile_limit: int | None = None):
+    """``fsdp_compile.config.compile_blocks_as_frames`` set to ``on`` (the default is True; False:
+    the whole model is one graph with a nested compile region per block), and Dynamo's
+    ``recompile_limit`` where given, for the duration."""
+    import fsdp_compile
+
+    previous = fsdp_compile.config.compile_blocks_as_frames, torch._dynamo.config.recompile_limit
+    fsdp_compile.config.compile_blocks_as_frames = on
+    if recompile_limit is not None:
+        torch._dynamo.config.recompile_limit = recompile_limit
+    try:
+        yield
+    finally:
+        fsdp_compile.config.compile_blocks_as_frames, torch._dynamo.config.recompile_limit = previous

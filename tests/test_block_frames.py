@@ -19,6 +19,7 @@ from fsdp_compile.backend import observe_graphs
 from fsdp_compile.models import Transformer, TransformerConfig
 from fsdp_compile.passes.graph import ALL_GATHER, GROUP_KEY, REDUCE_SCATTER, WAIT, fsdp_annotation
 from fsdp_compile.state import FSDPState, block_frame_in_trace
+from fsdp_testing import blocks_as_frames
 from test_compile_blocks import _IndexedBlock, _param_gap, _shard, _tokens, _train, steady_state_schedule
 from test_compile_graphs import _saved_all_gather_outputs
 from test_compiled_settings import _SETTING_CASES, _refused, _setting_case
@@ -26,18 +27,6 @@ from test_compiled_training import _close, _training_loops
 
 FRAME = "TransformerBlock (block frame)"
 FIRST_FRAME = "_IndexedBlock (block frame)"
-
-
-@contextlib.contextmanager
-def _blocks_as_frames(recompile_limit: int | None = None):
-    previous = fsdp_compile.config.compile_blocks_as_frames, torch._dynamo.config.recompile_limit
-    fsdp_compile.config.compile_blocks_as_frames = True
-    if recompile_limit is not None:
-        torch._dynamo.config.recompile_limit = recompile_limit
-    try:
-        yield
-    finally:
-        fsdp_compile.config.compile_blocks_as_frames, torch._dynamo.config.recompile_limit = previous
 
 
 def _model(layers: int, distinct_first: bool = False) -> Transformer:
@@ -87,7 +76,7 @@ def _frames_against_eager(layers: int, backend: str, param_dtype_name: str | Non
     policy = MixedPrecisionPolicy(param_dtype=getattr(torch, param_dtype_name) if param_dtype_name else None)
     reference = _model(layers, distinct_first)
     eager, compiled = _shard(copy.deepcopy(reference), policy), _shard(copy.deepcopy(reference), policy)
-    with _blocks_as_frames(), observe_graphs() as graphs, _prefetches_issued() as issued:
+    with blocks_as_frames(), observe_graphs() as graphs, _prefetches_issued() as issued:
         runner = torch.compile(compiled, backend=backend)
         compiled_collectives = _collectives_per_step(compiled, runner, 2)
         compiled_losses = _train(runner, 2, seed=7)
@@ -192,7 +181,7 @@ def _frames_run_eagerly(case: str):
     if case == "explicit_prefetch":
         compiled.layers[0].set_modules_to_forward_prefetch([compiled.layers[2]])
     seqs = (12, 12, 8, 6, 12) if case == "recompile_limit_1" else (12, 12)
-    with _blocks_as_frames(recompile_limit=1 if case == "recompile_limit_1" else None):
+    with blocks_as_frames(recompile_limit=1 if case == "recompile_limit_1" else None):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             runner = torch.compile(compiled, backend="fsdp_aot_eager", dynamic=False, fullgraph=case == "fullgraph")
@@ -233,7 +222,7 @@ def _steady_state_of_frames():
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     model = _shard(_model(2), MixedPrecisionPolicy())
-    with _blocks_as_frames():
+    with blocks_as_frames():
         return steady_state_schedule(model, torch.compile(model, backend="fsdp_aot_eager"))
 
 
@@ -251,7 +240,7 @@ def test_block_frames_steady_state_recompiles_once_per_shape_class_not_per_block
 
 
 def _setting_case_with_frames(name: str) -> dict:
-    with _blocks_as_frames():
+    with blocks_as_frames():
         return _setting_case(name)
 
 
@@ -270,7 +259,7 @@ def test_block_frames_honour_settings_as_the_whole_model_graph_does(dist, name):
 
 
 def _refused_with_frames(setting: str) -> str:
-    with _blocks_as_frames():
+    with blocks_as_frames():
         return _refused(setting)
 
 
@@ -283,7 +272,7 @@ def test_a_setting_a_blocks_frame_cannot_honour_is_refused_naming_it(dist):
 
 
 def _training_loops_as_frames():
-    with _blocks_as_frames():
+    with blocks_as_frames():
         return _training_loops()
 
 
@@ -302,7 +291,7 @@ def _root_parameter_read_after_a_compiled_forward():
     from test_comm_policy import _Weighted
 
     torch._dynamo.reset()
-    with _blocks_as_frames():
+    with blocks_as_frames():
         model = _Weighted()
         fsdp_compile.fully_shard(model)
         torch.compile(model, backend="fsdp_aot_eager")(torch.full((8192,), float(torch.distributed.get_rank() + 1))).backward()

@@ -4,12 +4,13 @@ from __future__ import annotations
 import time
 from typing import NamedTuple
 
+import pytest
 import torch
 import torch.distributed as dist
 
 import fsdp_compile
 from fsdp_compile.models import next_token_loss
-from fsdp_testing import UNEVEN, build_reference, global_batches, local_part, make_optimizer, shard_model, sharded_copy
+from fsdp_testing import UNEVEN, blocks_as_frames, build_reference, global_batches, local_part, make_optimizer, shard_model, sharded_copy
 
 STEPS = 3
 
@@ -215,7 +216,12 @@ class DivergedCompile(NamedTuple):
     later_output_shape: tuple[int, ...]  # of the same code compiled again without the divergence
 
 
-def _rank_dependent_control_flow():
+def _rank_dependent_control_flow(frames: bool):
+    with blocks_as_frames(frames):
+        return _rank_dependent_control_flow_in_this_mode()
+
+
+def _rank_dependent_control_flow_in_this_mode():
     torch._dynamo.reset()
     model = _RankDependent()
     fsdp_compile.fully_shard(model.a)
@@ -239,11 +245,18 @@ def _rank_dependent_control_flow():
     return DivergedCompile(message, seconds, tuple(output.shape))
 
 
-def test_rank_dependent_collectives_fail_before_any_collective_with_the_ranks_named(dist):
-    for result in dist.run(2, _rank_dependent_control_flow):
+@pytest.mark.parametrize("frames", [True, False], ids=["blocks_as_frames", "one_graph"])
+def test_rank_dependent_collectives_fail_before_any_collective_with_the_ranks_named(dist, frames):
+    for rank, result in enumerate(dist.run(2, _rank_dependent_control_flow, frames)):
         message = result.error
-        assert "ranks traced graphs with different collectives" in message, message
-        assert "ranks [0, 1] differ" in message and "rank 0 traced collectives" in message
+        if frames:  # every rank compiles the same frames: the blocks they enter differ
+            assert "ranks entered different fully_shard blocks in one compiled forward" in message, message
+            mine, other = ("a -> b", "a -> end of forward") if rank == 0 else ("a -> end of forward", "a -> b")
+            assert f"rank {rank} entered {mine}" in message and f"rank {1 - rank} entered {other}" in message, message
+        else:
+            assert "ranks traced graphs with different collectives" in message, message
+            assert "rank 0 traced collectives" in message, message
+        assert "ranks [0, 1] differ" in message, message
         # Found while both ranks wait in the store, not after the timeout: no hang.
         assert result.seconds_to_error < fsdp_compile.config.graph_check_timeout_s / 2
         assert result.later_output_shape == (2, 8)
@@ -281,7 +294,14 @@ class CollectivesInOneProcess(NamedTuple):
 
 def _fallback_and_fsdp_inductor_in_one_process():
     """Collectives per step and compiled graphs of an fsdp_inductor model compiled alone, and of
-    one compiled after a skip_fsdp_hooks model has run in the same process."""
+    one compiled after a skip_fsdp_hooks model has run in the same process. As one graph: blocks
+    compiled as frames (the default) after such a model gather and reduce the root's group twice a
+    step (Dynamo skips for good the hooks' code whose fallback trace held no op; numerics hold)."""
+    with blocks_as_frames(False):
+        return _fallback_and_fsdp_inductor_in_one_process_as_one_graph()
+
+
+def _fallback_and_fsdp_inductor_in_one_process_as_one_graph():
     from benchmarks.measure import count_collectives
 
     torch._dynamo.reset()

@@ -22,7 +22,7 @@ from fsdp_compile import MixedPrecisionPolicy, fully_shard
 from fsdp_compile.backend import observe_graphs
 from fsdp_compile.passes.graph import ALL_GATHER, GROUP_KEY, fsdp_annotation, pass_counters
 from fsdp_compile.models import Transformer, TransformerConfig, next_token_loss
-from fsdp_testing import TinyLM
+from fsdp_testing import TinyLM, blocks_as_frames
 from test_compile_graphs import _saved_all_gather_outputs
 
 DEEP = TransformerConfig(vocab_size=32, dim=16, n_layers=12, n_heads=2, max_seq_len=16)
@@ -238,6 +238,7 @@ def _whole_model_regions(layers: int, backend: str, reshard_blocks: bool, tiny: 
         _calls_counted("torch._dynamo.variables.invoke_subgraph", "build_fingerprint_with_pytree") as pytree_fingerprints,
         # Re-traces of a region body for its schema ([Note: a region body's schema, once per compile] in backend.py).
         _calls_counted("torch._higher_order_ops.utils", "materialize_as_graph") as body_retraces,
+        blocks_as_frames(False),  # a nested compile region per block in the one graph
     ):
         compiled_losses = _train(torch.compile(compiled, backend=backend), len(seqs), seqs=seqs)
     eager_losses = _train(eager, len(seqs), seqs=seqs)
@@ -376,7 +377,12 @@ class _CountingBlock(nn.Linear):
         return super().forward(x)
 
 
-def _whole_model_of_blocks_writing_buffers(block: type):
+def _whole_model_of_blocks_writing_buffers(block: type, frames: bool = True):
+    with blocks_as_frames(frames):
+        return _whole_model_of_blocks_writing_buffers_in_this_mode(block)
+
+
+def _whole_model_of_blocks_writing_buffers_in_this_mode(block: type):
     torch._dynamo.reset()
     torch.manual_seed(0)
     reference = nn.Sequential(nn.Linear(4, 8), *(block() for _ in range(3)), nn.Linear(8, 2))
@@ -391,10 +397,10 @@ def _whole_model_of_blocks_writing_buffers(block: type):
     runner = torch.compile(compiled, backend="fsdp_aot_eager")
     if block is _CountingBlock:
         try:
-            runner(torch.randn(6, 4))
+            runner(torch.randn(6, 4)).sum().backward()
         except Exception as error:
             return {"error": str(error)}
-        return {"error": None}
+        return {"error": None, "counts": [int(compiled[i].calls) for i in range(1, 4)]}
     for model in (runner, eager):
         generator = torch.Generator().manual_seed(dist.get_rank())
         for _ in range(2):
@@ -415,8 +421,15 @@ def test_whole_model_traces_blocks_keeping_running_stats_inline_and_matches_eage
 
 
 def test_a_block_region_writing_its_buffer_is_refused_with_the_way_out(dist):
-    result = dist.run(2, _whole_model_of_blocks_writing_buffers, _CountingBlock)[0]
+    result = dist.run(2, _whole_model_of_blocks_writing_buffers, _CountingBlock, False)[0]
     assert result["error"] and "fsdp_compile.config.compile_blocks_once = False" in result["error"], result
+
+
+def test_a_block_frame_writing_its_buffer_compiles_and_writes_it(dist):
+    # Blocks as frames (the default): each block's frame is a graph of its own, which may write its
+    # buffers in place; the region form (above) cannot.
+    result = dist.run(2, _whole_model_of_blocks_writing_buffers, _CountingBlock, True)[0]
+    assert result == {"error": None, "counts": [1, 1, 1]}, result
 
 
 # --- whole model over blocks compiled on their own ------------------------------------------------
@@ -460,6 +473,11 @@ def test_whole_model_compiled_over_compiled_blocks_gathers_in_its_graph_and_trai
 
 
 def _whole_model_with_eager_frames(case: str):
+    with blocks_as_frames(not case.endswith("_regions")):
+        return _whole_model_with_eager_frames_in_this_mode(case.removesuffix("_regions"))
+
+
+def _whole_model_with_eager_frames_in_this_mode(case: str):
     torch._dynamo.reset()
     torch.manual_seed(0)
     reference = Transformer(TransformerConfig(vocab_size=32, dim=16, n_layers=3, n_heads=2, max_seq_len=16))
@@ -498,7 +516,7 @@ def _whole_model_with_eager_frames(case: str):
     }
 
 
-@pytest.mark.parametrize("case", ["one_block_disabled", "recompile_limit_1", "backend_fails"])
+@pytest.mark.parametrize("case", ["one_block_disabled", "recompile_limit_1", "recompile_limit_1_regions", "backend_fails"])
 def test_whole_model_frames_run_eagerly_get_the_eager_hooks_and_train_like_eager(dist, case):
     result = dist.run(2, _whole_model_with_eager_frames, case)[0]
     for eager, compiled in zip(result["eager_losses"], result["compiled_losses"]):
@@ -508,8 +526,13 @@ def test_whole_model_frames_run_eagerly_get_the_eager_hooks_and_train_like_eager
         # (Dynamo may run the rest of the loop over blocks eagerly too; each such block is named.)
         assert "fsdp_compile: the forward of 'layers.1' ran eagerly inside a" in result["warnings"], result
         assert "fsdp_compile: the forward of 'layers.0' ran eagerly inside a" not in result["warnings"], result
-    elif case == "recompile_limit_1":  # the whole frame ran eagerly, hooks included: nothing stood aside
+    elif case == "recompile_limit_1_regions":  # the whole frame ran eagerly, hooks included: nothing stood aside
         assert result["warnings"] == [], result
+    elif case == "recompile_limit_1":
+        # Blocks as frames: the blocks' shared frame, and the root's, meet the limit at a new sequence
+        # length and run each block (and the root) eagerly, with its eager hooks, each named once.
+        named = ["Transformer"] + [f"layers.{i}" for i in range(3)]
+        assert result["warnings"] == [f"fsdp_compile: the forward of '{label}' ran eagerly inside a"[:60] for label in named], result
     else:  # said by the backend, with the error, not only by the modules that then ran eagerly
         assert result["backend_warnings"] and all(
             "fsdp_aot_eager could not compile graph" in w and "DataDependentOutputException" in w for w in result["backend_warnings"]
@@ -554,7 +577,15 @@ def _whole_model_where_dynamos_body_reuse_stops(case: str):
     """[Note: where Dynamo's body reuse stops] in module.py: twelve blocks of twelve structures
     (Dynamo keeps at most 8 reuse entries by default); [Note: a block whose body graph-breaks];
     blocks called under activation checkpointing, as regions, and under ``dynamic=True`` (every dim
-    symbolic) inline ([Note: saved RNG states before opaque objects] in backend.py)."""
+    symbolic) inline ([Note: saved RNG states before opaque objects] in backend.py). Blocks as
+    regions, but in the ``_under_frames`` form, where blocks compile as frames (the default) and a
+    block called inside checkpoint() is a region of its caller's graph all the same (a frame cannot
+    break a higher-order op's graph)."""
+    with blocks_as_frames(case.endswith("_under_frames")):
+        return _whole_model_where_dynamos_body_reuse_stops_as_regions(case.removesuffix("_under_frames"))
+
+
+def _whole_model_where_dynamos_body_reuse_stops_as_regions(case: str):
     torch._dynamo.reset()
     torch.manual_seed(0)
     model_class = _CheckpointedBlocksTransformer if case.endswith("checkpoint_around_blocks") else Transformer
@@ -581,7 +612,8 @@ def _whole_model_where_dynamos_body_reuse_stops(case: str):
 
 
 @pytest.mark.parametrize(
-    "case", ["twelve_structures", "body_graph_breaks", "checkpoint_around_blocks", "dynamic_checkpoint_around_blocks"],
+    "case",
+    ["twelve_structures", "body_graph_breaks", "checkpoint_around_blocks", "checkpoint_around_blocks_under_frames", "dynamic_checkpoint_around_blocks"],
 )
 def test_whole_model_where_dynamos_body_reuse_stops_traces_each_block_and_trains_like_eager(dist, case):
     result = dist.run(2, _whole_model_where_dynamos_body_reuse_stops, case)[0]
@@ -593,6 +625,10 @@ def test_whole_model_where_dynamos_body_reuse_stops_traces_each_block_and_trains
     # break at its call, and a checkpointed block's region is traced inside the checkpoint's.
     if case == "twelve_structures":
         assert result["dynamo_body_traces"] >= 12, result
+    if case == "checkpoint_around_blocks_under_frames":
+        # Each block a region of the caller's graph: its body traced once, no block run eagerly (as
+        # frames, whose graph break the checkpoint cannot hold, every block ran with its eager hooks).
+        assert result["dynamo_body_traces"] >= 1 and result["eager_frames"] == [], result
     if case == "dynamic_checkpoint_around_blocks":
         # Traced inline, in the one graph: as regions, the norms' eps (a float input under
         # dynamic=True) failed AOTAutograd and Dynamo ran the root and all 3 blocks eagerly; inline
@@ -606,7 +642,7 @@ def _one_compiled_step_of_tiny_lm(cache_dir: str) -> tuple[float, dict[str, int]
     AOTAutograd's cache counters of this process)."""
     from torch._dynamo.utils import counters
 
-    from fsdp_testing import TinyLM
+    from fsdp_testing import TinyLM, blocks_as_frames
 
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
     torch.manual_seed(0)

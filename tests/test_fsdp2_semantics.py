@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 import fsdp_compile
 from fsdp_compile import FSDPModule, MixedPrecisionPolicy, fully_shard
-from fsdp_testing import count_process_group_calls, local_part, max_difference
+from fsdp_testing import blocks_as_frames, count_process_group_calls, local_part, max_difference
 
 DIM = 8
 
@@ -179,6 +179,14 @@ class _Stack(nn.Module):
 
 
 def _checkpointing_with_mixed_precision(compile_mode: str | None):
+    # Compiled, both forms as one graph with a region per block: a block called inside checkpoint()
+    # is compiled so in its caller's graph anyway, and a plain block as a frame of its own would be
+    # fused apart from its neighbours, its bf16 rounding no longer the checkpointed form's.
+    with blocks_as_frames(False):
+        return _checkpointing_with_mixed_precision_compiled_alike(compile_mode)
+
+
+def _checkpointing_with_mixed_precision_compiled_alike(compile_mode: str | None):
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
     results = {}
     for checkpointed in (False, True):

@@ -307,7 +307,7 @@ def test_backends_with_different_passes_never_share_graphs():
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
     torch._dynamo.reset()
-    gathers = []
+    gathers, forward_graphs = [], []
     try:
         for passes in (PassConfig(bucket=False, reorder=False), PassConfig()):
             torch.manual_seed(0)
@@ -320,7 +320,11 @@ def test_backends_with_different_passes_never_share_graphs():
                 torch.compile(model, backend=fsdp_inductor_with(passes))(torch.randint(0, CONFIG.vocab_size, (2, 8)))
             # Every forward graph: the outer one holds the collectives, the blocks' bodies none.
             gathers.append(sum(len(collective_nodes(g.graph, ALL_GATHER)) for kind, g in graphs if kind == "forward"))
+            forward_graphs.append(sum(kind == "forward" for kind, _ in graphs))
     finally:
         torch._dynamo.reset()
         dist.destroy_process_group()
-    assert gathers[0] > gathers[1] == 3  # per parameter, then one per group
+    # Per parameter, then one per group: the blocks' and the root's as one graph; blocks compiled as
+    # frames (the default) gather in their graphs only in backward, issued between frames in forward.
+    assert gathers[0] > gathers[1] == (1 if fsdp_compile.config.compile_blocks_as_frames else 3), gathers
+    assert forward_graphs[0] == forward_graphs[1] > 0, forward_graphs  # the second model reused none
