@@ -15,6 +15,9 @@ belongs to, and compares it with what the other ranks published for that frame:
   waiting on a different structure for this frame that this rank never compiled, the ranks
   diverged: both raise an error naming the ranks at once, long before any collective could hang.
   A rank that never arrives fails the wait after ``config.graph_check_timeout_s``.
+
+Blocks compiled as frames share one graph on every rank, so there the ranks also compare the
+sequence of blocks each forward enters ([Note: ranks entering different block frames] below).
 """
 from __future__ import annotations
 

@@ -527,7 +527,17 @@ def _forward_reparametrized(
 # gathers and reduces once per step. The root's own hooks hand their bookkeeping (staging no-sync
 # sums, the handoff) to an eager call as well: traced, their walk over every group cost compile time
 # and guards per block. A frame Dynamo gives up on (recompile limit, a skipped frame) runs with the
-# eager hooks, as any block ([Note: frames Dynamo runs eagerly]).
+# eager hooks, as any block ([Note: frames Dynamo runs eagerly]). A read of a group outside blocks
+# that runs eagerly under the compiled model (Dynamo skips the read's code once a trace of it held no
+# op, as the eager fallback's does) gathers that group in a small graph of its own
+# (state._gather_group_in_a_graph), bucketed as in any graph. Frames are the default: they keep
+# compile time flat with depth, where the regions below grow with it. Not a frame: a block called
+# inside a higher-order op of its caller's graph (checkpoint(block, x), as Hugging Face's gradient
+# checkpointing calls its layers), whose graph cannot break there (backend.
+# traced_in_a_callers_higher_order_op): it compiles as a region of that graph, or inline where
+# regions are not used; and every block under fullgraph=True. Ranks whose control flow enters
+# different blocks are caught before the block's collectives ([Note: ranks entering different block
+# frames] in graph_check.py), since every rank compiles the same frames.
 #
 # [Note: prefetch across block frames]
 # A block's all-gather traced into its own frame could only overlap that block's first ops, and one

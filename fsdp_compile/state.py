@@ -54,6 +54,19 @@ def _blocks_as_frames_in_this_trace() -> bool:
     return config.compile_blocks_as_frames and not traced_without_graph_breaks()
 
 
+@torch.compile(backend="fsdp_aot_eager", dynamic=False)
+def _gather_group_in_a_graph(state: "FSDPState") -> list[torch.Tensor]:
+    """A group's first read under blocks compiled as frames, where that read runs eagerly (Dynamo gave
+    up on its frame, or skips the read's code for good: a trace of it under the eager fallback held
+    no op): its traced unshard in a graph of its own, whose passes bucket it into the group's one
+    all-gather and, in backward, one reduce-scatter, as in any graph (run eagerly, each parameter's
+    op gathered and reduced alone). No code generation: the graph holds only the collectives and
+    their copies."""
+    group = state.group
+    assert group is not None
+    return state.traced_unshard(group.fsdp_params)
+
+
 def _inside_a_compiled_call() -> bool:
     """Whether this eager code runs inside a torch.compile'd call, in a frame Dynamo did not compile:
     one it gave up on, or one whose code it skips for good because an earlier trace of it held no op
@@ -304,7 +317,8 @@ class FSDPState:
         if fsdp_param.fqn not in handoff:
             group = self.group
             assert group is not None
-            for member, unsharded in zip(group.fsdp_params, self.traced_unshard(group.fsdp_params)):
+            gathered = self.traced_unshard(group.fsdp_params) if torch.compiler.is_compiling() else _gather_group_in_a_graph(self)
+            for member, unsharded in zip(group.fsdp_params, gathered):
                 handoff[member.fqn] = unsharded
         return handoff[fsdp_param.fqn]
 

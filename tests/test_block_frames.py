@@ -22,8 +22,7 @@ from fsdp_compile.state import FSDPState, block_frame_in_trace
 from fsdp_testing import blocks_as_frames
 from test_compile_blocks import _IndexedBlock, _param_gap, _shard, _tokens, _train, steady_state_schedule
 from test_compile_graphs import _saved_all_gather_outputs
-from test_compiled_settings import _SETTING_CASES, _refused, _setting_case
-from test_compiled_training import _close, _training_loops
+from test_compiled_settings import _refused
 
 FRAME = "TransformerBlock (block frame)"
 FIRST_FRAME = "_IndexedBlock (block frame)"
@@ -176,12 +175,10 @@ def _frames_run_eagerly(case: str):
     torch._dynamo.reset()
     reference = _model(3)
     eager, compiled = _shard(copy.deepcopy(reference), MixedPrecisionPolicy()), _shard(copy.deepcopy(reference), MixedPrecisionPolicy())
-    if case == "one_block_disabled":
-        compiled.layers[1].forward = torch.compiler.disable(compiled.layers[1].forward)
     if case == "explicit_prefetch":
         compiled.layers[0].set_modules_to_forward_prefetch([compiled.layers[2]])
-    seqs = (12, 12, 8, 6, 12) if case == "recompile_limit_1" else (12, 12)
-    with blocks_as_frames(recompile_limit=1 if case == "recompile_limit_1" else None):
+    seqs = (12, 12)
+    with blocks_as_frames():
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             runner = torch.compile(compiled, backend="fsdp_aot_eager", dynamic=False, fullgraph=case == "fullgraph")
@@ -195,19 +192,14 @@ def _frames_run_eagerly(case: str):
     }
 
 
-@pytest.mark.parametrize("case", ["one_block_disabled", "recompile_limit_1", "fullgraph", "explicit_prefetch"])
+@pytest.mark.parametrize("case", ["fullgraph", "explicit_prefetch"])
 def test_block_frames_dynamo_runs_eagerly_get_the_eager_hooks_and_train_like_eager(dist, case):
-    """A disabled block, and with ``recompile_limit = 1`` every frame past its first graph (each new
-    sequence length) runs eagerly: with the eager hooks, never a DTensor mixing error. Under
-    ``fullgraph=True``, which allows no graph break, blocks are regions in the one graph instead."""
+    """Under ``fullgraph=True``, which allows no graph break, blocks are regions in the one graph
+    instead of frames; an explicit prefetch list is named. (A disabled block and the recompile limit,
+    whose frames run eagerly with the eager hooks: test_compile_blocks.py, frames being the default.)"""
     result = dist.run(2, _frames_run_eagerly, case)[0]
     _assert_trains_like_eager(result, 1e-5)
-    if case == "one_block_disabled":
-        assert "layers.1" in result["eager_frames"] and "layers.0" not in result["eager_frames"], result
-    elif case == "recompile_limit_1":
-        assert result["eager_frames"], result  # named, since its hooks stood aside in the caller's graph
-    else:
-        assert result["eager_frames"] == [], result
+    assert result["eager_frames"] == [], result
     # An explicit prefetch list, which a block's frame cannot honour, is named once, not ignored.
     if case == "explicit_prefetch":
         assert len(result["prefetch_warnings"]) == 1 and "'layers.0'" in result["prefetch_warnings"][0], result
@@ -239,25 +231,6 @@ def test_block_frames_steady_state_recompiles_once_per_shape_class_not_per_block
 # --- settings -------------------------------------------------------------------------------------
 
 
-def _setting_case_with_frames(name: str) -> dict:
-    with blocks_as_frames():
-        return _setting_case(name)
-
-
-@pytest.mark.parametrize("name", ["set_requires_gradient_sync", "comm_policy"])
-def test_block_frames_honour_settings_as_the_whole_model_graph_does(dist, name):
-    """The settings table's cases (test_compiled_settings.py) with blocks as frames: the same
-    collectives per step as eagerly (no reduce-scatter in the no-sync step) and the same numerics."""
-    case = _SETTING_CASES[name]
-    result = dist.run(case.get("world", 2), _setting_case_with_frames, name)[0]
-    eager, compiled = result["eager"], result["compiled"]
-    assert "error" not in eager and "error" not in compiled, result
-    assert compiled["collectives"] == eager["collectives"] and eager["collectives"][0], result
-    tolerance = case.get("tolerance", 1e-5)
-    for a, b in zip(eager["losses"], compiled["losses"]):
-        assert abs(a - b) <= tolerance * max(1.0, abs(a)), result
-
-
 def _refused_with_frames(setting: str) -> str:
     with blocks_as_frames():
         return _refused(setting)
@@ -269,22 +242,6 @@ def test_a_setting_a_blocks_frame_cannot_honour_is_refused_naming_it(dist):
     the block, is refused for the block that entered it."""
     for message in dist.run(2, _refused_with_frames, "reshard_after_backward"):
         assert "fsdp_inductor" in message and "set_reshard_after_backward(False)" in message and "blocks.0" in message, message
-
-
-def _training_loops_as_frames():
-    with blocks_as_frames():
-        return _training_loops()
-
-
-def test_block_frames_train_checkpointed_skipped_accumulating_and_evaluated_blocks_like_eager(dist):
-    # Blocks whose bodies checkpoint (the prefetched parameters are taken outside the checkpointed
-    # region), a no-sync accumulation, a block skipped on one step (its prefetch let go, never read
-    # stale) and eval under no_grad between steps: as eagerly, and eval then train again compiles nothing.
-    loops = dist.run(2, _training_loops_as_frames)[0]
-    assert _close(loops["eager"]["losses"], loops["compiled"]["losses"]), loops
-    assert _close(loops["eager"]["eval"], loops["compiled"]["eval"]), loops
-    assert _close(loops["eager"]["grad_norms"], loops["compiled"]["grad_norms"]), loops
-    assert loops["param_gap"] < 1e-5 and loops["graphs"][0] == loops["graphs"][1], loops
 
 
 def _root_parameter_read_after_a_compiled_forward():

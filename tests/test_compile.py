@@ -294,14 +294,10 @@ class CollectivesInOneProcess(NamedTuple):
 
 def _fallback_and_fsdp_inductor_in_one_process():
     """Collectives per step and compiled graphs of an fsdp_inductor model compiled alone, and of
-    one compiled after a skip_fsdp_hooks model has run in the same process. As one graph: blocks
-    compiled as frames (the default) after such a model gather and reduce the root's group twice a
-    step (Dynamo skips for good the hooks' code whose fallback trace held no op; numerics hold)."""
-    with blocks_as_frames(False):
-        return _fallback_and_fsdp_inductor_in_one_process_as_one_graph()
-
-
-def _fallback_and_fsdp_inductor_in_one_process_as_one_graph():
+    one compiled after a skip_fsdp_hooks model has run in the same process. (After the fallback's
+    trace of a parameter read, which holds no op, Dynamo skips that code for good: the next model's
+    first read of its root group runs eagerly, and gathered the group per parameter, twice the
+    collectives, until it took a graph of its own; see _gather_group_in_a_graph in state.py.)"""
     from benchmarks.measure import count_collectives
 
     torch._dynamo.reset()
@@ -343,8 +339,11 @@ def _fallback_and_fsdp_inductor_in_one_process_as_one_graph():
 
 def test_fallback_and_fsdp_inductor_models_in_one_process_keep_their_own_collectives(dist):
     r = dist.run(2, _fallback_and_fsdp_inductor_in_one_process)[0]
-    # The fsdp_inductor model's graphs and collectives per step, and the fallback's (the eager
-    # runtime's), are the same whether or not the other model ran first in the process.
+    # The fsdp_inductor model's collectives per step, and the fallback's (the eager runtime's), are
+    # the same whether or not the other model ran first in the process.
     assert r.alone.forward_graphs >= 1, "the fsdp_inductor model compiled no graph"
-    assert r.after_fallback == r.alone, f"after a fallback model: {r.after_fallback}, alone: {r.alone}"
+    # The collectives per step are the same; the graphs may split differently (the first root read,
+    # run eagerly after the fallback, gathers in a graph of its own where alone its frame compiled it).
+    assert r.after_fallback.collectives == r.alone.collectives, f"after a fallback model: {r.after_fallback}, alone: {r.alone}"
+    assert r.after_fallback.forward_graphs >= 1, r.after_fallback
     assert r.fallback_before == r.eager and r.fallback_after == r.eager, (r.fallback_before, r.fallback_after, r.eager)
