@@ -367,8 +367,8 @@ def _read_eagerly(state: "FSDPState", fsdp_param: "FSDPParam", registered: torch
     # property's code: a frame of it compiled to no graph before, under the eager fallback) is not
     # compiled piecewise either: its frames would split the group's gather over several graphs.
     if state.reads_across_frames_eagerly():
-        # The model runs compiled: the same functional all-gather, run eagerly, or what a graph
-        # gathered before it.
+        # The model runs compiled: what a graph gathered before it, or the group gathered in a small
+        # graph of its own (bucketed as the model's graphs are).
         return state.unsharded_across_frames(fsdp_param)
     return registered
 
