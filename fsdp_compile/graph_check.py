@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import re
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -114,21 +114,22 @@ def check_collectives_match_across_ranks(gm: fx.GraphModule) -> None:
     _await_every_rank(found, _frame_key(), collective_fingerprint(gm), "", _raise_divergence)
 
 
-def check_block_frames_match_across_ranks(model: str, entered: tuple[str, ...], fingerprint: str) -> None:
+def check_block_frames_match_across_ranks(model: str, entered: Sequence[str], fingerprint: str) -> None:
     """Eagerly, as a compiled forward of ``model`` enters a block frame (and as it ends): this rank
     entered the blocks ``entered`` (labels, in order, ending in END_OF_FORWARD at the end) so far;
     ``fingerprint`` hashes them (block_frames_fingerprint). Where this sequence is new to this rank,
     waits for every rank to have entered the same before any collective of the frame is issued.
     See [Note: ranks entering different block frames]."""
+    # Run at every block of every forward: a sequence agreed before costs this lookup only.
+    agreed = (_generation, model, fingerprint)
+    if agreed in _frame_sequences_agreed:
+        return
     found = _store_and_ranks()
     if found is None:
         return
-    seen = (_generation, model, fingerprint)
-    if seen in _frame_sequences_agreed:
-        return
     key = f"frames/{model}/{len(entered)}"
     _await_every_rank(found, key, fingerprint, " -> ".join(entered), _raise_frames_divergence)
-    _frame_sequences_agreed.add((_generation, model, fingerprint))
+    _frame_sequences_agreed.add(agreed)
 
 
 END_OF_FORWARD = "end of forward"

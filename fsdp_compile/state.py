@@ -617,7 +617,7 @@ class FSDPState:
         [Note: ranks entering different block frames] in graph_check.py."""
         self._frames_entered.append(label)
         self._frames_entered_fingerprint = block_frames_fingerprint(self._frames_entered_fingerprint, label)
-        check_block_frames_match_across_ranks(self.label, tuple(self._frames_entered), self._frames_entered_fingerprint)
+        check_block_frames_match_across_ranks(self.label, self._frames_entered, self._frames_entered_fingerprint)
 
     def _frames_root_pre_forward(self) -> None:
         # Called for a compiled forward (or one whose hooks stand aside for it): the model runs compiled,
