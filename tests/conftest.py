@@ -57,6 +57,8 @@ def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any, tim
     global _crash_log
     _crash_log = open(crash_log_path, "w")
     faulthandler.enable(file=_crash_log, all_threads=True)
+    # A rank that does not finish in time is asked for its stacks (DistributedPool.run's timeout).
+    faulthandler.register(signal.SIGUSR1, file=_crash_log, all_threads=True)
     sys.path[:0] = [TESTS_DIR, REPO_DIR]
     import torch
     import torch.distributed as dist
@@ -147,7 +149,9 @@ class DistributedPool:
                     raise RankDied(function.__name__, dead, failures + self.crash_stacks(dead))
                 if time.monotonic() >= deadline:
                     missing = sorted(set(range(self.world_size)) - set(outcomes))
-                    raise TimeoutError(f"ranks {missing} did not finish {function.__name__}{failures}") from None
+                    raise TimeoutError(
+                        f"ranks {missing} did not finish {function.__name__}{failures}{self.stacks_of_live_ranks(missing)}"
+                    ) from None
                 continue
             outcomes[rank] = (ok, value)
             if not ok:  # the others may be stuck in a collective with the failed rank
@@ -159,6 +163,14 @@ class DistributedPool:
 
     def crash_log(self, rank: int) -> str:
         return os.path.join(self.crash_log_dir, f"rank{rank}.txt")
+
+    def stacks_of_live_ranks(self, ranks: list[int]) -> str:
+        """Where the hung ``ranks`` are: each dumps its threads' Python stacks into its crash log."""
+        for rank in ranks:
+            if self.processes[rank].is_alive():
+                os.kill(self.processes[rank].pid, signal.SIGUSR1)
+        time.sleep(2.0)  # faulthandler writes from its own thread
+        return self.crash_stacks(dict.fromkeys(ranks))
 
     def crash_stacks(self, ranks: dict[int, Any]) -> str:
         """What faulthandler wrote for the dead ``ranks`` (the stacks of their threads), if anything."""
