@@ -8,6 +8,11 @@ sequence lengths) or recompile alone when their shapes change. So each compile p
 fingerprint of its collective sequence in the process group's store, under the Dynamo frame it
 belongs to, and compares it with what the other ranks published for that frame:
 
+- the graph holds no collective (a block frame's forward, whose all-gather was issued between
+  frames; a model's code around the blocks): nothing can hang on it, and nothing is published or
+  awaited. Dynamo may compile such a frame on one rank and run it eagerly on another (a frame it
+  gave up on, whose bytecode each process treats by its own history): waiting there for the
+  others would itself hang the job (seen in CI);
 - another rank already compiled a graph with the same collectives (the usual case, and every
   rank-local recompile): nothing to wait for;
 - otherwise this is a new collective structure: wait (in the store, not in a collective) for every
@@ -79,7 +84,11 @@ def _is_functional_collective(target: object) -> bool:
 
 def collective_fingerprint(gm: fx.GraphModule) -> str:
     """Hash of the collective sequence: independent of shapes and of every non-collective op."""
-    return hashlib.sha256("\n".join(_collective_calls(gm)).encode()).hexdigest()[:16]
+    return _fingerprint_of(_collective_calls(gm))
+
+
+def _fingerprint_of(calls: list[str]) -> str:
+    return hashlib.sha256("\n".join(calls).encode()).hexdigest()[:16]
 
 
 def _frame_key() -> str:
@@ -109,9 +118,10 @@ def _store_and_ranks() -> tuple[object, int, int] | None:
 def check_collectives_match_across_ranks(gm: fx.GraphModule) -> None:
     """See [Note: cross-rank graph check]; raises on every diverging rank, naming the ranks."""
     found = _store_and_ranks()
-    if found is None:
+    calls = _collective_calls(gm) if found is not None else []
+    if not calls:
         return
-    _await_every_rank(found, _frame_key(), collective_fingerprint(gm), "", _raise_divergence)
+    _await_every_rank(found, _frame_key(), _fingerprint_of(calls), "", _raise_divergence)
 
 
 def check_block_frames_match_across_ranks(model: str, entered: Sequence[str], fingerprint: str) -> None:

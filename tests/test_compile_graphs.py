@@ -117,6 +117,41 @@ def test_collective_fingerprint_sees_collectives_only():
     assert collective_fingerprint(_graph("ag", sub=_graph("rs"))) != collective_fingerprint(_graph("ag"))
 
 
+def _one_rank_compiles_a_graph_the_other_runs_eagerly() -> tuple[float, str]:
+    """Rank 1 alone checks a graph, as where Dynamo compiles a frame on one rank and runs it eagerly
+    on the other: first one without collectives, then one with an all-gather."""
+    import time
+
+    import torch.distributed as dist
+
+    from fsdp_compile import config
+    from fsdp_compile.graph_check import check_collectives_match_across_ranks
+
+    if dist.get_rank() != 1:
+        return 0.0, ""
+    previous, config.graph_check_timeout_s = config.graph_check_timeout_s, 1.0
+    try:
+        start = time.monotonic()
+        check_collectives_match_across_ranks(_graph("relu", "relu"))
+        seconds = time.monotonic() - start
+        try:
+            check_collectives_match_across_ranks(_graph("relu", "ag", "rs"))
+        except RuntimeError as error:
+            return seconds, str(error)
+        return seconds, ""
+    finally:
+        config.graph_check_timeout_s = previous
+
+
+def test_a_graph_without_collectives_is_not_awaited_across_ranks(dist):
+    """Nothing can hang on a graph without collectives: it is neither published nor awaited (a
+    collective-free frame one rank compiled while the other ran it eagerly hung CI for good)."""
+    seconds, error = dist.run(2, _one_rank_compiles_a_graph_the_other_runs_eagerly)[1]
+    assert seconds < 0.5, seconds
+    # A graph with collectives is awaited: the other rank never compiles it, so the wait times out.
+    assert "that ranks [0] have not after 1 s" in error, error
+
+
 @pytest.mark.parametrize("fake_world", [8], indirect=True)
 def test_inductor_cache_keys_a_device_mesh_by_what_identifies_it(fake_world):
     """[Note: warm start across processes]: two mesh objects over the same ranks, names and groups
