@@ -7,6 +7,7 @@ measured as the peak of one probe step and its rise over the value just before t
 """
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import shutil
@@ -17,6 +18,7 @@ import time
 import traceback
 
 import torch
+import torch._inductor.utils
 import torch.distributed as dist
 
 from benchmarks import report
@@ -103,6 +105,13 @@ def _fresh_inductor_cache(rank: int) -> str:
     return path
 
 
+def _use_the_cache_of_mode(rank_cache: str, name: str) -> None:
+    """Before a step of mode ``name``: its own on-disk Inductor cache under this rank's, and none of
+    the kernels another mode's compiles left in memory; see [Note: a cold compile per mode]."""
+    _use_inductor_cache(os.path.join(rank_cache, name))
+    torch._inductor.utils.clear_inductor_caches()
+
+
 def _use_inductor_cache(path: str) -> None:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
     os.environ["TRITON_CACHE_DIR"] = os.path.join(path, "triton")
@@ -116,7 +125,7 @@ def worker(cfg: BenchConfig) -> None:
     if cfg.inductor_cache_dir is not None:
         _use_inductor_cache(os.path.join(cfg.inductor_cache_dir, f"rank{rank}"))
     try:
-        results = _run(cfg, rank, world, device)
+        results = _run(cfg, rank, world, device, cache)
     finally:
         if cache is not None:
             shutil.rmtree(cache, ignore_errors=True)
@@ -124,8 +133,15 @@ def worker(cfg: BenchConfig) -> None:
         report.publish(cfg, results, world, device)
 
 
-def _run(cfg: BenchConfig, rank: int, world: int, device: torch.device) -> dict:
+def _run(cfg: BenchConfig, rank: int, world: int, device: torch.device, cache: str | None = None) -> dict:
     agree = _Agreement(device)
+    # [Note: a cold compile per mode]
+    # With a fresh cache (``cache``, this rank's), each mode compiles with one of its own, and with
+    # Inductor's in-memory caches emptied before each of its warm-up steps. One cache for every mode
+    # made the later modes' compiles warm: a block's kernels are the same C++ or Triton source in
+    # every mode, so torch-blockcompile, last, took them from ours-compiled's and ours-fallback's
+    # compiles (2.1 s "cold" on the demo model, 10.5 s in a process of its own).
+    use_cache_of = functools.partial(_use_the_cache_of_mode, cache) if cache is not None else lambda name: None
     # With tensor parallelism the ranks of one dp group (consecutive ranks: a (dp, tp) mesh) share a batch.
     data_world, data_rank = world // cfg.tp, rank // cfg.tp
     batches = [b.chunk(data_world)[data_rank].to(device) for b in _global_batches(cfg, data_world, cfg.total_steps + 1)]
@@ -147,6 +163,8 @@ def _run(cfg: BenchConfig, rank: int, world: int, device: torch.device) -> dict:
                 progress.advance(f"{name} unavailable")
                 continue
             phase = "warm-up" if step < cfg.warmup else "step"
+            if step < cfg.warmup:  # where modes compile; a measured step runs what is compiled
+                use_cache_of(name)
             seconds, loss, reason = _step_all_ranks(modes[name], batches[step], device, agree, errors)
             if reason is not None:
                 status[name] = reason if step == 0 else f"failed at step {step}: {reason}"
@@ -167,6 +185,7 @@ def _run(cfg: BenchConfig, rank: int, world: int, device: torch.device) -> dict:
     if cfg.warm_compile and compiled:
         progress.grow(len(compiled) * cfg.warmup)
         for name in compiled:
+            use_cache_of(name)  # the cache its cold compile filled, nothing in memory: as after a restart
             warm[name] = _warm_compile(name, cfg, batches, device, agree, errors, times[name], progress)
     progress.close()
     return {

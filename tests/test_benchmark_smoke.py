@@ -117,3 +117,23 @@ def test_scaling_targets_divide_each_of_our_modes_that_ran_by_torchs_figures():
     assert "- cold compile of ours-compiled, 32 layers / 2 layers: 4.00x (target <= 1.3x)" in lines
     assert "- cold compile at 16 layers, ours-fallback / torch-blockcompile: — (target <= 1.5x)" in lines
     assert not any("ours-blockcompile" in line for line in lines)
+
+
+def test_each_mode_compiles_cold_in_a_cache_of_its_own(tmp_path, monkeypatch):
+    """[Note: a cold compile per mode] in benchmarks/run.py: before a mode's warm-up step, Inductor's
+    on-disk cache is the mode's own and nothing another mode compiled is left in memory (one shared
+    cache gave torch-blockcompile, compiled last, the kernels ours-compiled had compiled)."""
+    from torch._inductor.codecache import PyCodeCache
+
+    from benchmarks.run import _use_the_cache_of_mode
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    _use_the_cache_of_mode(str(tmp_path), "ours-compiled")
+    ours = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    kernel = PyCodeCache.load("compiled_by = 'ours-compiled'\n")  # as a mode's compile leaves one
+    assert kernel.__file__.startswith(ours) and kernel in PyCodeCache.modules
+    _use_the_cache_of_mode(str(tmp_path), "torch-blockcompile")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] != ours
+    assert os.environ["TRITON_CACHE_DIR"].startswith(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    assert kernel not in PyCodeCache.modules
