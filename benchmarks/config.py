@@ -110,8 +110,9 @@ columns:
                       compiled autograd.Function saves)
   coll/step           collectives dispatched to the process group in one step (torch profiler's
                       c10d:: events), as all-gather / reduce-scatter / all-reduce
-  compile cold s      sum over the warm-up steps of (step time - median), fresh Inductor cache
-  compile warm s      the same for a second model after torch._dynamo.reset() (caches warm)
+  compile cold s      sum over the warm-up steps of (step time - median), in a fresh Inductor
+                      cache of the mode's own (nothing another mode compiled reused)
+  compile warm s      the same for a second model after torch._dynamo.reset() (its cache warm)
   loss rel diff       max over all steps of |loss - loss(ours-eager)| / |loss(ours-eager)|
 
 examples:

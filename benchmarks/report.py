@@ -198,8 +198,9 @@ modes' models stay resident, so the absolute peak includes theirs); on CUDA it i
 torch.cuda.max_memory_allocated. Saved MiB sums the distinct tensors autograd saves for
 backward in one forward (saved_tensors_hooks). Collectives are the c10d ops the torch profiler
 sees in one step (AG all-gather / RS reduce-scatter / AR all-reduce). Compile cold is the
-warm-up steps' excess over the median step with a fresh Inductor cache; warm, the same for a
-second model built after torch._dynamo.reset() with the caches populated; Inductor's one-time
+warm-up steps' excess over the median step in a fresh Inductor cache of the mode's own (no
+kernel another mode compiled is reused); warm, the same for a second model built after
+torch._dynamo.reset() with its cache populated; Inductor's one-time
 start-up is paid by a trivial compile before any mode (STARTUP). Loss rel diff is
 the max over all steps of |loss - loss(ours-eager)| / |loss(ours-eager)|."""
 
