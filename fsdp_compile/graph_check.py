@@ -12,7 +12,9 @@ belongs to, and compares it with what the other ranks published for that frame:
   frames; a model's code around the blocks): nothing can hang on it, and nothing is published or
   awaited. Dynamo may compile such a frame on one rank and run it eagerly on another (a frame it
   gave up on, whose bytecode each process treats by its own history): waiting there for the
-  others would itself hang the job (seen in CI);
+  others would itself hang the job (seen in CI). The price: where rank-dependent control flow
+  leaves one rank's graph of a frame with no collective and another's with some, the other rank
+  is not told at once but by the timeout below;
 - another rank already compiled a graph with the same collectives (the usual case, and every
   rank-local recompile): nothing to wait for;
 - otherwise this is a new collective structure: wait (in the store, not in a collective) for every
