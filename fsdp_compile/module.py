@@ -101,7 +101,12 @@ class FSDPModule:
         # stand aside for the traced parameter reads. If Dynamo then runs this forward eagerly
         # (torch.compiler.disable on it, the recompile limit, a skipped frame), its parameters
         # would be the sharded DTensors: run the eager hooks around it instead, which all-gather,
-        # reshard and reduce-scatter as in eager training.
+        # reshard and reduce-scatter as in eager training. A block compiled as a frame, whose
+        # all-gather was issued as the frame was entered ([Note: prefetch across block frames]),
+        # hands it to the eager hooks (FSDPParamGroup.adopt_all_gather) rather than letting it go and
+        # gathering again: each such block issued one all-gather too many (11 a step for a 3-block
+        # model whose eager training issues 7), and in forward a rank Dynamo ran the frame eagerly on
+        # issued one all-gather more than a rank that ran it compiled.
         state = self._fsdp_state()
         if state not in _warned_eager_frames:
             _warned_eager_frames.add(state)
@@ -112,7 +117,8 @@ class FSDPModule:
                 "Numerics are unchanged; its collectives are not part of the compiled graph.",
                 stacklevel=2,
             )
-        state.drop_frame_prefetch()  # the eager hooks gather it themselves
+        # The all-gather issued as the frame was entered serves the eager hooks: none is issued twice.
+        state.hand_frame_prefetch_to_eager_hooks()
         args, kwargs = state._pre_forward(self, args, kwargs)
         output = super().forward(*args, **kwargs)  # type: ignore[misc]
         return state._post_forward(self, args, output)
@@ -559,7 +565,8 @@ def _forward_reparametrized(
 # all-gather runs while block i computes; at most two blocks are unsharded at once in forward (the
 # frame lets go of its parameters at its end). A prefetch is checked before use: one whose shards
 # were written since (the optimizer's step) or that no frame took in its forward is waited on and let
-# go (FSDPState.drop_frame_prefetch), never read stale. The next block is learned eagerly as frames
+# go (FSDPState.drop_frame_prefetch), never read stale; a frame Dynamo runs eagerly hands it to its
+# eager hooks ([Note: frames Dynamo runs eagerly]). The next block is learned eagerly as frames
 # are entered (FSDPState._learn_frame_order: the module tree's order at the first forward, then the
 # order the last forward ran them in). Not prefetched: a block with CommPolicy's quantized all-gather
 # or tensor-parallel parameters (it gathers in its own frame's graph), and the groups outside blocks.

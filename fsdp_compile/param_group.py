@@ -182,6 +182,23 @@ class FSDPParamGroup:
         )
 
     @_eager_only
+    def adopt_all_gather(self, gathered: torch.Tensor) -> bool:
+        """Take ``gathered``, the ``[world, group_numel]`` output of this group's all-gather issued
+        elsewhere and complete on the current stream (a block frame's prefetch, which its eager hooks
+        then read: [Note: frames Dynamo runs eagerly] in module.py), as the all-gather in flight.
+        Returns False, taking nothing, where the group would gather otherwise (already unsharded or
+        gathering, an all-gather extension, CommPolicy's quantized all-gather or a custom all-gather,
+        its post-forward shard)."""
+        if (
+            self.is_unsharded or self._pending_all_gather is not None or self.sharded_state != ShardedState.SHARDED
+            or self.comm_policy.quantizes_all_gather or self.custom_all_gather is not None
+            or any(p.uses_all_gather_extension for p in self.fsdp_params)
+        ):
+            return False
+        self._pending_all_gather = collectives.PendingAllGather(None, gathered, self.label, None, False)
+        return True
+
+    @_eager_only
     def wait_for_unshard(self) -> None:
         """Finish the in-flight all-gather and expose the unsharded parameters on the modules."""
         if self.is_unsharded:

@@ -387,6 +387,18 @@ class FSDPState:
             for p, (shard, version) in zip(group.fsdp_params, self._frame_prefetched_from)
         )
 
+    def hand_frame_prefetch_to_eager_hooks(self) -> None:
+        """Eagerly, where Dynamo runs this block's frame eagerly: the all-gather issued as the frame
+        was entered is the one its eager hooks read, not one more; see [Note: frames Dynamo runs
+        eagerly] in module.py. A stale one, or one the group cannot take, is let go."""
+        group = self.group
+        if self.frame_prefetched is not None and group is not None and self._holds_fresh_prefetch():
+            gathered = torch.ops._c10d_functional.wait_tensor(self.frame_prefetched).view(group.reduce_spec.shard_size, -1)
+            if group.adopt_all_gather(gathered):
+                self.frame_prefetched, self._frame_prefetched_from = None, []
+                return
+        self.drop_frame_prefetch()
+
     def drop_frame_prefetch(self) -> None:
         """Eagerly: let go of a prefetch no frame will read, once its all-gather completed (its buffer
         is in use until then, and a collective's tensor is waited on before it is freed)."""

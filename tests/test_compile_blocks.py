@@ -499,16 +499,31 @@ def _whole_model_with_eager_frames(case: str):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             compiled_losses = _train(runner, len(seqs), seqs=seqs)
+            compiled_collectives = _collectives_of_a_step(runner, seqs[-1])
     finally:
         torch._dynamo.config.recompile_limit = previous_limit
         aot_autograd.aot_module_simplified = aot_module_simplified
+    eager_losses = _train(eager, len(seqs), seqs=seqs)
     return {
-        "eager_losses": _train(eager, len(seqs), seqs=seqs),
+        "eager_losses": eager_losses,
         "compiled_losses": compiled_losses,
+        "compiled_collectives": compiled_collectives,
+        "eager_collectives": _collectives_of_a_step(eager, seqs[-1]),
         "param_gap": _param_gap(eager, compiled),
         "warnings": sorted({str(w.message)[:60] for w in caught if "ran eagerly inside a compiled model" in str(w.message)}),
         "backend_warnings": sorted({str(w.message)[:90] for w in caught if "could not compile graph" in str(w.message)}),
     }
+
+
+def _collectives_of_a_step(runner, seq: int) -> dict[str, int]:
+    """Collectives of one forward and backward (no optimizer step: the parameters compared after
+    training stay as they were)."""
+    from benchmarks.measure import count_collectives
+
+    tokens = _tokens(2, seq, seed=1000 + dist.get_rank())
+    with count_collectives() as counts:
+        next_token_loss(runner(tokens), tokens).backward()
+    return dict(counts)
 
 
 @pytest.mark.parametrize("case", ["one_block_disabled", "recompile_limit_1", "backend_fails"])
@@ -532,6 +547,13 @@ def test_whole_model_frames_run_eagerly_get_the_eager_hooks_and_train_like_eager
         ), result
     if case != "backend_fails":
         assert result["backend_warnings"] == [], result
+    # A block whose frame runs eagerly reads the all-gather issued as the frame was entered (its eager
+    # hooks gathered again before: 11 all-gathers a step where eager training issues 7). Where the
+    # backend fails, the root group's first read, in a small graph of its own that the backend fails
+    # on too, gathers and reduces each of the root's 2 parameters alone: one of each more than eager.
+    eager, compiled = result["eager_collectives"], result["compiled_collectives"]
+    extra = 1 if case == "backend_fails" else 0
+    assert compiled == {"all_gather": eager["all_gather"] + extra, "reduce_scatter": eager["reduce_scatter"] + extra}, result
 
 
 class _IndexedBlock(nn.Module):
