@@ -149,7 +149,7 @@ END_OF_FORWARD = "end of forward"
 
 def block_frames_fingerprint(previous: str, label: str) -> str:
     """The fingerprint of a sequence of entered blocks, from its prefix's and its last block's label."""
-    return hashlib.sha256(f"{previous}\n{label}".encode()).hexdigest()[:16]
+    return _fingerprint_of([previous, label])
 
 
 # [Note: ranks entering different block frames]
