@@ -276,3 +276,25 @@ def fake_world(request):
     yield request.param
     torch._dynamo.reset()
     torch_dist.destroy_process_group()
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Start the benchmark smoke run now and move its tests to the end; see [Note: the benchmark
+    smoke run overlaps the suite] in test_benchmark_smoke.py."""
+    smoke = [item for item in items if "run" in getattr(item, "fixturenames", ()) and item.module.__name__ == "test_benchmark_smoke"]
+    if not smoke or config.option.collectonly:
+        return
+    from test_benchmark_smoke import start_benchmark_run
+
+    config.benchmark_smoke_run = start_benchmark_run()  # type: ignore[attr-defined]
+    moved = {id(item) for item in smoke}
+    items[:] = [item for item in items if id(item) not in moved] + smoke
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    started = getattr(session.config, "benchmark_smoke_run", None)
+    if started is not None and started[0].poll() is None:  # the suite stopped before its tests waited on it
+        started[0].kill()
+        started[0].wait()
+    if started is not None:
+        shutil.rmtree(started[2], ignore_errors=True)
