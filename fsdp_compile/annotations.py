@@ -15,7 +15,7 @@ from __future__ import annotations
 
 __all__ = [
     "FSDP_ANNOTATION_KEY", "GROUP_KEY", "PARAM_KEY", "RESHARD_AFTER_FORWARD_KEY", "STATE_KEY",
-    "BUCKET_KEY", "GROUPS_KEY", "PARAMS_KEY",
+    "BUCKET_KEY", "GROUPS_KEY", "PARAMS_KEY", "BLOCK_FRAME_TOKEN",
 ]
 
 # Per parameter (traceable.py).
@@ -25,6 +25,9 @@ PARAM_KEY = "fsdp_param"  # the parameter's FQN in its module
 RESHARD_AFTER_FORWARD_KEY = "fsdp_reshard_after_forward"
 # The FSDPState's process-unique token: tells apart groups of the same label in two models.
 STATE_KEY = "fsdp_state"
+# STATE_KEY of every block compiled as a frame: one graph serves them all, so none is named in it
+# ([Note: blocks compiled as frames] in module.py).
+BLOCK_FRAME_TOKEN = -1
 
 # Per bucket (passes/bucket.py), beside the keys above.
 BUCKET_KEY = "fsdp_bucket"  # "all_gather" | "reduce_scatter": present once a node is bucketed

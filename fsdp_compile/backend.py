@@ -26,7 +26,7 @@ from fsdp_compile.graph_check import check_collectives_match_across_ranks
 __all__ = ["fsdp_inductor", "fsdp_inductor_with", "fsdp_aot_eager", "observe_graphs", "traced_for_an_fsdp_backend"]
 
 _PASS_VERSION = "fsdp_compile-recompute-v1"
-_POST_GRAD_VERSION = "fsdp_compile-bucket-reorder-v2"
+_POST_GRAD_VERSION = "fsdp_compile-bucket-reorder-v3"
 _PARTITION_VERSION = "fsdp_compile-saved-values-in-runtime-order-v1"
 
 
@@ -419,6 +419,7 @@ def admit_traced_parameters(gm: fx.GraphModule) -> None:
     unshard gathers the shard itself and would silently lose the extension.
     """
     from fsdp_compile import state as state_module
+    from fsdp_compile.annotations import BLOCK_FRAME_TOKEN
     from fsdp_compile.passes.graph import PARAM_KEY, STATE_KEY, fsdp_annotation
 
     traced = {(a[STATE_KEY], a[PARAM_KEY]) for node in gm.graph.nodes if (a := fsdp_annotation(node)) is not None}
@@ -428,7 +429,7 @@ def admit_traced_parameters(gm: fx.GraphModule) -> None:
     for state in state_module.live_states():
         tokens = {state.trace_token}
         if state is block_frame:
-            tokens.add(state_module.BLOCK_FRAME_TOKEN)
+            tokens.add(BLOCK_FRAME_TOKEN)
         read = [p for p in state.group.fsdp_params if any((t, p.fqn) in traced for t in tokens)] if state.group is not None else []
         if not read:
             continue

@@ -570,8 +570,29 @@ def _forward_reparametrized(
 # are entered (FSDPState._learn_frame_order: the module tree's order at the first forward, then the
 # order the last forward ran them in). Not prefetched: a block with CommPolicy's quantized all-gather
 # or tensor-parallel parameters (it gathers in its own frame's graph), and the groups outside blocks.
-# Backward prefetch stays within a frame: a block's backward gathers its shards again at its start,
-# and its reduce-scatter is waited at its end.
+#
+# [Note: backward prefetch across block frames]
+# A resharding block's backward graph gathers its shards again (a bucketed graph all-gather, which the
+# reorder pass hoists to the graph's start), so without more its all-gather could only overlap its own
+# first ops, as forward's did before the prefetch above. The graph cannot name the block (one graph
+# serves them all) nor take an input for the block's successor in backward. So the post-grad pass
+# (passes/recompute.gather_frame_backward_through_prefetch) turns that copy-in + all-gather into one
+# opaque call, fsdp_compile::frame_backward_all_gather, on the same shards, in the same place, its
+# result waited on where the reorder pass put the wait. At run time (FSDPState's
+# gather_in_frame_backward) the call finds its block by the shards' addresses (registered as the
+# block's compiled frame was entered with gradients on), takes the all-gather the block after it
+# issued for it if one was issued on exactly these shards at these versions (else issues its own), and
+# issues that of the block before it, the one that ran forward before it (the order learned for the
+# forward prefetch) and so runs backward next, with the shards its backward graph gathered last time.
+# So block i-1's all-gather runs while block i's backward computes, as FSDP2's eager backward
+# prefetch does; at most two blocks are unsharded at once in backward. Every rank decides alike: the
+# order, the registration (on every rank, or, where a parameter has no rows on some rank and so no
+# address of its own, on none) and the learned gathers are the same on all ranks. Not prefetched: a
+# block whose compiled frame did not run forward with gradients on since its backward last ran (a
+# frame Dynamo ran eagerly: its eager hooks gather; a no-grad forward), a block's first backward (its
+# gather is learned then), the groups outside blocks. One that no backward took (a backward that
+# stops early) is let go as the next forward's first frame is entered, as a forward prefetch is.
+# Reduce-scatters stay in the block's graph, waited at its end.
 _UNBOUNDED_REUSE = (
     {"max_reuse_entries": sys.maxsize} if "max_reuse_entries" in inspect.signature(torch.compiler.nested_compile_region).parameters else {}
 )

@@ -21,6 +21,7 @@ import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
 
 from fsdp_compile import config
+from fsdp_compile.annotations import BLOCK_FRAME_TOKEN
 from fsdp_compile.api import BackwardPrefetch, MixedPrecisionPolicy
 from fsdp_compile.backend import traced_for_an_fsdp_backend, traced_in_a_callers_higher_order_op, traced_without_graph_breaks
 from fsdp_compile.comm_context import CommContext
@@ -40,9 +41,8 @@ _trace_tokens = itertools.count()
 # Bumped by every new FSDPState: a cached walk of a model's states is stale after it.
 _states_generation = 0
 
-# The trace token of every block compiled as a frame; which block's frame Dynamo traces now is
-# ``block_frame_in_trace()`` (set eagerly by FSDPState.enter_block_frame).
-BLOCK_FRAME_TOKEN = -1
+# Which block's frame Dynamo traces now is ``block_frame_in_trace()`` (set eagerly by
+# FSDPState.enter_block_frame); every such frame's trace token is BLOCK_FRAME_TOKEN.
 _block_frame_in_trace: "weakref.ref[FSDPState] | None" = None
 # Roots whose explicit prefetch lists were checked at their first block frame (told once).
 _roots_told_of_frames_prefetch: "weakref.WeakSet[FSDPState]" = weakref.WeakSet()
@@ -73,6 +73,52 @@ def _inside_a_compiled_call() -> bool:
     (the eager fallback's hooks, which stand aside when traced, leave that mark on code every model
     shares). The model runs compiled there, even before any of its own graphs said so."""
     return bool(torch._C._dynamo.eval_frame.get_eval_frame_callback())
+
+
+# The blocks whose compiled frames ran forward with gradients on, by their shards' addresses: a block
+# frame's backward graph, shared by every block of its structure, names no block
+# ([Note: backward prefetch across block frames] in module.py).
+_frame_blocks_by_shard: "dict[int, weakref.ref[FSDPState]]" = {}
+
+
+def gather_in_frame_backward(
+    shards: list[torch.Tensor], padded_numels: list[int], param_dtype: torch.dtype, shard_size: int, shard_group_name: str,
+) -> torch.Tensor:
+    """``fsdp_compile::frame_backward_all_gather`` run in a block frame's backward graph: the group's
+    all-gather in flight (prefetched by the block after it, or issued now), after issuing the block
+    before it's; see [Note: backward prefetch across block frames] in module.py."""
+    state = _frame_block_of(shards)
+    in_flight = None
+    if state is not None:
+        indices = _indices_in_group(state, shards)
+        state._frame_backward_gather = (indices, list(padded_numels), param_dtype, shard_size, shard_group_name)
+        in_flight = state._take_backward_prefetch(shards)
+    if in_flight is None:
+        in_flight = issue_frame_prefetch(shards, padded_numels, param_dtype, shard_size, shard_group_name)
+    if state is not None:
+        state._frame_backward_pending = False
+        state._prefetch_previous_frame_backward()
+    return in_flight
+
+
+def _frame_block_of(shards: list[torch.Tensor]) -> "FSDPState | None":
+    """The registered block whose parameters' shards ``shards`` are (every one of them), or None."""
+    if not shards:
+        return None
+    reference = _frame_blocks_by_shard.get(shards[0].data_ptr())
+    state = reference() if reference is not None else None
+    if state is None or not state._frame_backward_pending or _indices_in_group(state, shards) is None:
+        return None
+    return state
+
+
+def _indices_in_group(state: "FSDPState", shards: list[torch.Tensor]) -> "tuple[int, ...] | None":
+    group = state.group
+    if group is None:
+        return None
+    index_by_address = {p.local_shard().data_ptr(): i for i, p in enumerate(group.fsdp_params)}
+    indices = tuple(index_by_address.get(shard.data_ptr(), -1) for shard in shards)
+    return None if -1 in indices else indices
 
 
 def block_frame_in_trace() -> "FSDPState | None":
@@ -224,6 +270,14 @@ class FSDPState:
         self.frame_prefetched: torch.Tensor | None = None
         self._frame_prefetched_from: list[tuple[torch.Tensor, int]] = []
         self.frame_gathered: list[torch.Tensor] | None = None
+        # [Note: backward prefetch across block frames] in module.py. What this block's backward graph
+        # gathers (learned as it first runs: indices of its group's parameters, padded numels, dtype,
+        # shard size, process group), whether a compiled frame of it ran forward since its backward last
+        # ran, and the all-gather the block after it issued for it in backward, with what it was issued on.
+        self._frame_backward_gather: tuple | None = None
+        self._frame_backward_pending = False
+        self._backward_prefetched: torch.Tensor | None = None
+        self._backward_prefetched_from: tuple | None = None
         # On a root whose blocks compile as frames: between its (eager) pre- and post-forward.
         self.frames_forward_running = False
         # On a root: the first block frame entered at the first forward (entered again, a new forward
@@ -391,6 +445,7 @@ class FSDPState:
         """Eagerly, where Dynamo runs this block's frame eagerly: the all-gather issued as the frame
         was entered is the one its eager hooks read, not one more; see [Note: frames Dynamo runs
         eagerly] in module.py. A stale one, or one the group cannot take, is let go."""
+        self._frame_backward_pending = False  # the eager hooks gather for its backward
         group = self.group
         if self.frame_prefetched is not None and group is not None and self._holds_fresh_prefetch():
             gathered = torch.ops._c10d_functional.wait_tensor(self.frame_prefetched).view(group.reduce_spec.shard_size, -1)
@@ -400,12 +455,72 @@ class FSDPState:
         self.drop_frame_prefetch()
 
     def drop_frame_prefetch(self) -> None:
-        """Eagerly: let go of a prefetch no frame will read, once its all-gather completed (its buffer
-        is in use until then, and a collective's tensor is waited on before it is freed)."""
-        if self.frame_prefetched is not None:
-            torch.ops._c10d_functional.wait_tensor(self.frame_prefetched)
-            self.frame_prefetched = None
-        self._frame_prefetched_from = []
+        """Eagerly: let go of a prefetch no frame will read (forward's, or backward's: [Note: backward
+        prefetch across block frames] in module.py), once its all-gather completed (its buffer is in use
+        until then, and a collective's tensor is waited on before it is freed)."""
+        for in_flight in (self.frame_prefetched, self._backward_prefetched):
+            if in_flight is not None:
+                torch.ops._c10d_functional.wait_tensor(in_flight)
+        self.frame_prefetched = self._backward_prefetched = None
+        self._frame_prefetched_from, self._backward_prefetched_from = [], None
+
+    def _gathers_identifiably_in_frame_backward(self) -> bool:
+        """Whether ``gather_in_frame_backward`` can tell this block by its shards' addresses on every
+        rank: each parameter holds rows on every rank (a rank's empty shard has no address of its own),
+        a fact of the shapes alone, the same on all ranks."""
+        group = self.group
+        return group is not None and all(
+            p.layout.row_numel > 0 and p.layout.rows(p.layout.world_size - 1) > 0 for p in group.fsdp_params
+        )
+
+    def _register_for_frame_backward(self) -> None:
+        """Eagerly, as this block's compiled frame is entered with gradients on: its backward graph's
+        all-gather will find it by its shards (``gather_in_frame_backward``)."""
+        group = self.group
+        if group is None or not torch.is_grad_enabled() or not self._gathers_identifiably_in_frame_backward():
+            self._frame_backward_pending = False
+            return
+        self._frame_backward_pending = True
+        for fsdp_param in group.fsdp_params:
+            _frame_blocks_by_shard[fsdp_param.local_shard().data_ptr()] = weakref.ref(self)
+
+    def _shards_for_frame_backward(self) -> list[torch.Tensor] | None:
+        """The shards this block's backward graph all-gathers, in its order (None before it first ran)."""
+        group = self.group
+        if self._frame_backward_gather is None or group is None:
+            return None
+        return [group.fsdp_params[index].local_shard() for index in self._frame_backward_gather[0]]
+
+    def _take_backward_prefetch(self, shards: list[torch.Tensor]) -> torch.Tensor | None:
+        """The all-gather issued for this block's backward on exactly ``shards`` as they are now, or None
+        (any other is let go)."""
+        in_flight, issued_from = self._backward_prefetched, self._backward_prefetched_from
+        self._backward_prefetched, self._backward_prefetched_from = None, None
+        if in_flight is None:
+            return None
+        fresh = issued_from == (self._frame_backward_gather, [(s.data_ptr(), s._version) for s in shards])
+        if not fresh:
+            torch.ops._c10d_functional.wait_tensor(in_flight)
+            return None
+        return in_flight
+
+    def _prefetch_previous_frame_backward(self) -> None:
+        """In this block's backward: issue the all-gather of the block that ran forward before it, whose
+        backward runs next, where its compiled frame ran forward with gradients on since its backward
+        last ran and its backward graph gathered before."""
+        root = self.outermost()
+        previous = next((s for s in root.states_in_tree() if s.next_frame_block is self), None)
+        if previous is not None and previous._frame_backward_pending and previous._backward_prefetched is None:
+            previous._issue_backward_prefetch()
+
+    def _issue_backward_prefetch(self) -> None:
+        """The all-gather this block's backward graph issued last time, on its shards as they are now."""
+        shards = self._shards_for_frame_backward()
+        if shards is None:
+            return
+        _, padded_numels, param_dtype, shard_size, shard_group_name = self._frame_backward_gather
+        self._backward_prefetched = issue_frame_prefetch(shards, padded_numels, param_dtype, shard_size, shard_group_name)
+        self._backward_prefetched_from = (self._frame_backward_gather, [(s.data_ptr(), s._version) for s in shards])
 
     def traced_frame_prefetch(self) -> list[torch.Tensor] | None:
         """Traced in this block's frame: the parameters of the all-gather in flight for it (waited on
@@ -445,6 +560,8 @@ class FSDPState:
         root._check_frames_entered_across_ranks(self.label)
         self._learn_frame_order()
         self._prefetch_frame_gathers()
+        if self.takes_prefetched_frame_gathers():
+            self._register_for_frame_backward()
         if root not in _roots_told_of_frames_prefetch:
             _roots_told_of_frames_prefetch.add(root)
             explicit = [s.label for s in root.states_in_tree() if s.forward_prefetch or s.backward_prefetch]

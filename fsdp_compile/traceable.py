@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from fsdp_compile.state import FSDPState
 
 __all__ = [
-    "trace_annotation", "unshard_for_trace", "issue_frame_prefetch", "frame_prefetched_parameters", "install_traced_param_access", "FSDP_ANNOTATION_KEY",
+    "trace_annotation", "unshard_for_trace", "issue_frame_prefetch", "frame_prefetched_parameters", "frame_backward_all_gather", "install_traced_param_access", "FSDP_ANNOTATION_KEY",
     "TRACED_OP_DECOMPOSITIONS",
 ]
 
@@ -282,6 +282,29 @@ def issue_frame_prefetch(
     with torch.no_grad():
         flat = torch.ops.fsdp_compile.all_gather_copy_in_functional(shards, padded_numels, param_dtype)
         return _functional.all_gather_into_tensor(flat, shard_size, shard_group_name)
+
+
+@torch.library.custom_op(
+    "fsdp_compile::frame_backward_all_gather", mutates_args=(),
+    schema="(Tensor[] shards, int[] padded_numels, ScalarType param_dtype, int shard_size, str shard_group_name) -> Tensor",
+)
+def frame_backward_all_gather(
+    shards: list[torch.Tensor], padded_numels: list[int], param_dtype: torch.dtype, shard_size: int, shard_group_name: str,
+) -> torch.Tensor:
+    """In a block frame's backward graph, in place of its group's all-gather (copy-in and
+    all-gather, left in flight for the graph's wait): the all-gather the backward of the block after
+    it issued for it, else one issued now; either way it then issues the all-gather of the block
+    before it, whose backward runs next. See [Note: backward prefetch across block frames] in module.py."""
+    from fsdp_compile.state import gather_in_frame_backward
+
+    return gather_in_frame_backward(shards, padded_numels, param_dtype, shard_size, shard_group_name)
+
+
+@frame_backward_all_gather.register_fake
+def _frame_backward_all_gather_shape(
+    shards: list[torch.Tensor], padded_numels: list[int], param_dtype: torch.dtype, shard_size: int, shard_group_name: str,
+) -> torch.Tensor:
+    return shards[0].new_empty((shard_size * sum(padded_numels),), dtype=param_dtype)
 
 
 def frame_prefetched_parameters(in_flight: torch.Tensor, layouts: list[ShardLayout], shard_size: int) -> list[torch.Tensor]:

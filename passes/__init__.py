@@ -4,7 +4,8 @@ Each pass is a pure function ``(GraphModule, PassConfig) -> GraphModule`` (DESIG
 
 - ``recompute.py`` (joint graph): resharding groups re-all-gather in backward.
 - ``bucket.py`` (post-grad): one all-gather / reduce-scatter per ``fully_shard`` group.
-- ``reorder.py`` (post-grad): prefetch all-gathers, wait late, under an in-flight byte budget.
+- ``reorder.py`` (post-grad): prefetch all-gathers, wait late, under an in-flight byte budget; then
+  a block frame's backward all-gather takes the prefetch across frames (``recompute.py``).
 - ``dump.py``: ``FSDP_COMPILE_DUMP=dir`` writes graphs and timelines around each pass.
 - ``graph.py``: what they share: collective ops, the FSDP annotation, graph kind, views, bytes in
   flight, and the counter of passes that gave up.
@@ -26,7 +27,7 @@ def apply_post_grad_passes(gm: fx.GraphModule, config) -> fx.GraphModule:
     from fsdp_compile.passes.bucket import bucket_collectives
     from fsdp_compile.passes.dump import dump_graph
     from fsdp_compile.passes.graph import graph_kind
-    from fsdp_compile.passes.recompute import erase_unread_gathers, read_prefetched_gathers
+    from fsdp_compile.passes.recompute import erase_unread_gathers, gather_frame_backward_through_prefetch, read_prefetched_gathers
     from fsdp_compile.passes.reorder import reorder_collectives
 
     config = config.resolved()
@@ -40,4 +41,10 @@ def apply_post_grad_passes(gm: fx.GraphModule, config) -> fx.GraphModule:
     dump_graph(gm, kind, "1-after-bucket", config)
     gm = reorder_collectives(gm, config)
     dump_graph(gm, kind, "2-after-reorder", config)
+    # [Note: backward prefetch across block frames] in fsdp_compile/module.py: where the reorder pass
+    # placed a block frame's backward all-gather, it takes the one the block after it issued.
+    if kind == "backward" and gather_frame_backward_through_prefetch(gm.graph):
+        gm.graph.lint()
+        gm.recompile()
+        dump_graph(gm, kind, "3-after-frame-prefetch", config)
     return gm

@@ -38,7 +38,7 @@ from fsdp_compile.passes.graph import (
     erase_unused_chain, fsdp_annotation, give_up, new_node, node_value, single_wait,
 )
 
-__all__ = ["bucket_collectives"]
+__all__ = ["bucket_collectives", "unpadded_shard"]
 
 _aten = torch.ops.aten
 
@@ -73,14 +73,17 @@ class _Bucket:
 
 
 def _bucket_annotation(bucket: _Bucket, kind: str) -> dict:
-    first = fsdp_annotation(bucket.members[0].collective) or {}
+    annotations = [fsdp_annotation(m.collective) or {} for m in bucket.members]
+    states = {annotation.get(STATE_KEY) for annotation in annotations}
     return {
         FSDP_ANNOTATION_KEY: True,
         GROUP_KEY: "+".join(bucket.groups),
         GROUPS_KEY: tuple(bucket.groups),
         BUCKET_KEY: kind,
-        PARAMS_KEY: tuple(str((fsdp_annotation(m.collective) or {}).get(PARAM_KEY)) for m in bucket.members),
-        RESHARD_AFTER_FORWARD_KEY: first.get(RESHARD_AFTER_FORWARD_KEY),
+        PARAMS_KEY: tuple(str(annotation.get(PARAM_KEY)) for annotation in annotations),
+        RESHARD_AFTER_FORWARD_KEY: annotations[0].get(RESHARD_AFTER_FORWARD_KEY),
+        # The group's trace token where every member has the one (merged groups have none).
+        STATE_KEY: states.pop() if len(states) == 1 else None,
     }
 
 
@@ -209,11 +212,15 @@ def _bucket_all_gather(graph: fx.Graph, bucket: _Bucket) -> bool:
 
 
 def _unpadded_shard(member: _Member) -> fx.Node | None:
-    """The local shard a member's all-gather input pads (and casts), as the copy-in op takes it: the
+    return unpadded_shard(member.collective.args[0], member.numel)
+
+
+def unpadded_shard(sent: fx.Node, padded_numel: int) -> fx.Node | None:
+    """The local shard an all-gather input ``sent`` pads (and casts), as the copy-in op takes it: the
     input with at most a cast and a ``constant_pad_nd`` of rows on dim 0's end taken off (Inductor
     has already dropped a pad of no rows and a cast to the same dtype), a contiguous floating-point
     tensor. None for any other input (a quantized payload, a dim-1 shard's strided view)."""
-    node = member.collective.args[0]
+    node = sent
     if node.target in (torch.ops.prims.convert_element_type.default, _aten._to_copy.default):
         node = node.args[0]
     if node.target is _aten.constant_pad_nd.default and (len(node.args) < 3 or node.args[2] in (0, 0.0)):
@@ -225,7 +232,7 @@ def _unpadded_shard(member: _Member) -> fx.Node | None:
     value = node_value(node)
     if not (isinstance(value, torch.Tensor) and value.is_floating_point() and value.is_contiguous()):
         return None
-    return node if value.numel() <= member.numel else None
+    return node if value.numel() <= padded_numel else None
 
 
 def _copy_out_in_one_node(graph: fx.Graph, rows: fx.Node, bucket: _Bucket, annotation: dict) -> list[fx.Node]:

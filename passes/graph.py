@@ -23,14 +23,15 @@ import torch.fx as fx
 import fsdp_compile.kernels  # noqa: F401 - registers torch.ops.fsdp_compile's copy ops (COPY_IN, COPY_OUT)
 import fsdp_compile.traceable  # noqa: F401 - registers torch.ops.fsdp_compile.prefetched_gather (PREFETCHED_GATHER)
 from fsdp_compile.annotations import (
-    BUCKET_KEY, FSDP_ANNOTATION_KEY, GROUP_KEY, GROUPS_KEY, PARAM_KEY, PARAMS_KEY, RESHARD_AFTER_FORWARD_KEY, STATE_KEY,
+    BLOCK_FRAME_TOKEN, BUCKET_KEY, FSDP_ANNOTATION_KEY, GROUP_KEY, GROUPS_KEY, PARAM_KEY, PARAMS_KEY, RESHARD_AFTER_FORWARD_KEY, STATE_KEY,
 )
 
 __all__ = [
     "ALL_TO_ALL",
     "FSDP_ANNOTATION_KEY", "GROUP_KEY", "PARAM_KEY", "RESHARD_AFTER_FORWARD_KEY", "STATE_KEY", "BUCKET_KEY", "GROUPS_KEY", "PARAMS_KEY",
+    "BLOCK_FRAME_TOKEN",
     "ALL_GATHER", "REDUCE_SCATTER", "ALL_REDUCE", "WAIT", "COLLECTIVES", "GRADIENT_REDUCTIONS", "COLLECTIVE_NAMES", "FORCE_STRIDE", "COPY_IN", "COPY_OUT",
-    "collective_nodes", "single_wait", "new_node", "node_value", "erase_unused_chain", "PREFETCHED_GATHER", "fsdp_annotation", "is_tangent", "graph_kind", "is_view", "is_copy",
+    "collective_nodes", "single_wait", "new_node", "node_value", "erase_unused_chain", "PREFETCHED_GATHER", "FRAME_BACKWARD_GATHER", "fsdp_annotation", "is_tangent", "graph_kind", "is_view", "is_copy",
     "tensor_bytes", "collective_bytes", "inflight_collectives", "inflight_bytes", "max_inflight_bytes",
     "pass_counters", "give_up",
 ]
@@ -44,6 +45,8 @@ ALL_TO_ALL = _c10d.all_to_all_single.default  # CommPolicy's gradient wire (the 
 WAIT = _c10d.wait_tensor.default
 # A block frame's parameter that the previous block's graph all-gathered (fsdp_compile/traceable.py).
 PREFETCHED_GATHER = torch.ops.fsdp_compile.prefetched_gather.default
+# A block frame's backward all-gather that takes (and issues) prefetches across frames (traceable.py).
+FRAME_BACKWARD_GATHER = torch.ops.fsdp_compile.frame_backward_all_gather.default
 COLLECTIVES = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, ALL_TO_ALL)  # what issues work that a WAIT completes
 # The reductions of gradients: a reduce-scatter, or CommPolicy's low-precision wire (an all-to-all
 # whose received chunks each rank sums); both issue after their bucket's last gradient.

@@ -24,12 +24,13 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from fsdp_compile.passes.graph import (
-    ALL_GATHER, PARAM_KEY, PREFETCHED_GATHER, RESHARD_AFTER_FORWARD_KEY, WAIT, erase_unused_chain, fsdp_annotation, give_up, is_tangent,
-    is_view, new_node, node_value,
+    ALL_GATHER, BLOCK_FRAME_TOKEN, COPY_IN, FRAME_BACKWARD_GATHER, PARAM_KEY, PREFETCHED_GATHER, RESHARD_AFTER_FORWARD_KEY, STATE_KEY, WAIT,
+    erase_unused_chain, fsdp_annotation, give_up, is_tangent, is_view, new_node, node_value,
 )
 
 __all__ = [
     "tag_reshard_after_forward_for_recompute", "read_region_saved_inputs_directly", "read_prefetched_gathers", "erase_unread_gathers",
+    "gather_frame_backward_through_prefetch",
 ]
 
 # One id for every tagged region: consecutive tagged nodes never force a save between them.
@@ -167,6 +168,45 @@ def read_prefetched_gathers(graph: fx.Graph) -> int:
         gather.replace_all_uses_with(prefetched)
         graph.erase_node(gather)
     return len(gathers)
+
+
+def gather_frame_backward_through_prefetch(graph: fx.Graph) -> int:
+    """See [Note: backward prefetch across block frames] in fsdp_compile/module.py: in a block frame's
+    backward graph (post-grad, bucketed and reordered), the group's copy-in and all-gather become one
+    ``fsdp_compile::frame_backward_all_gather`` call on the same shards, in the same place; the wait
+    stays where the reorder pass put it::
+
+        before:  shards -> copy_in -> all_gather -> ... wait -> copy_out
+        after:   shards -> frame_backward_all_gather -> ... wait -> copy_out
+
+    Only a block frame's all-gather (``STATE_KEY`` is ``BLOCK_FRAME_TOKEN``) whose input is the
+    copy-in of its shards, or a lone parameter's flattened shard with at most a cast and rows of
+    padding (``bucket.unpadded_shard``). Returns how many were rewritten."""
+    from fsdp_compile.passes.bucket import unpadded_shard
+
+    rewritten = 0
+    for gather in list(graph.find_nodes(op="call_function", target=ALL_GATHER)):
+        annotation = fsdp_annotation(gather)
+        if annotation is None or annotation.get(STATE_KEY) != BLOCK_FRAME_TOKEN:
+            continue
+        sent, shard_size, group_name = gather.args
+        if sent.target is COPY_IN:
+            shards, padded_numels, dtype = sent.args
+        elif sent.target in (torch.ops.aten.reshape.default, torch.ops.aten.view.default) and list(sent.args[1]) == [-1]:
+            value = node_value(sent)
+            shard = unpadded_shard(sent.args[0], value.numel())
+            if shard is None:
+                continue
+            shards, padded_numels, dtype = [shard], [value.numel()], value.dtype
+        else:
+            continue
+        with graph.inserting_before(gather):
+            issued = new_node(graph, FRAME_BACKWARD_GATHER, (shards, padded_numels, dtype, shard_size, group_name), annotation)
+        gather.replace_all_uses_with(issued)
+        graph.erase_node(gather)
+        erase_unused_chain(graph, sent)  # the copy-in (or the pad and cast) the call does now
+        rewritten += 1
+    return rewritten
 
 
 def erase_unread_gathers(graph: fx.Graph) -> int:

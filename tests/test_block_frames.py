@@ -17,7 +17,7 @@ from benchmarks.measure import count_collectives
 from fsdp_compile import MixedPrecisionPolicy
 from fsdp_compile.backend import observe_graphs
 from fsdp_compile.models import Transformer, TransformerConfig
-from fsdp_compile.passes.graph import ALL_GATHER, GROUP_KEY, REDUCE_SCATTER, WAIT, fsdp_annotation
+from fsdp_compile.passes.graph import ALL_GATHER, FRAME_BACKWARD_GATHER, GROUP_KEY, REDUCE_SCATTER, WAIT, fsdp_annotation
 from fsdp_compile.state import FSDPState, block_frame_in_trace
 from fsdp_testing import blocks_as_frames
 from test_compile_blocks import _IndexedBlock, _param_gap, _shard, _tokens, _train, steady_state_schedule
@@ -69,15 +69,52 @@ def _prefetches_issued():
         FSDPState._issue_frame_prefetch = issue
 
 
+@contextlib.contextmanager
+def _backward_gathers():
+    """In backward, each block frame's all-gather as its graph asks for it (whether one was prefetched
+    for it) and each all-gather issued for the block whose backward runs next."""
+    take, issue = FSDPState._take_backward_prefetch, FSDPState._issue_backward_prefetch
+    events: list[tuple[str, str, bool]] = []
+
+    def taken(state: FSDPState, shards: list[torch.Tensor]) -> torch.Tensor | None:
+        in_flight = take(state, shards)
+        events.append(("gathers", state.label, in_flight is not None))
+        return in_flight
+
+    def issued(state: FSDPState) -> None:
+        issue(state)
+        if state._backward_prefetched is not None:
+            events.append(("prefetches", state.label, True))
+
+    FSDPState._take_backward_prefetch, FSDPState._issue_backward_prefetch = taken, issued
+    try:
+        yield events
+    finally:
+        FSDPState._take_backward_prefetch, FSDPState._issue_backward_prefetch = take, issue
+
+
+def _backward_prefetch_chain(labels: list[str]) -> list[tuple[str, str, bool]]:
+    """Two steps' backwards. The first: each block gathers its own (what its backward graph gathers is
+    learned then). The second: the last block gathers its own and prefetches the one before it; every
+    other block takes its prefetch and prefetches the one before it, none before the first."""
+    chain = [("gathers", label, False) for label in reversed(labels)]
+    for position, label in enumerate(reversed(labels)):
+        chain.append(("gathers", label, position > 0))
+        if position < len(labels) - 1:
+            chain.append(("prefetches", labels[-2 - position], True))
+    return chain
+
+
 def _frames_against_eager(layers: int, backend: str, param_dtype_name: str | None = None, distinct_first: bool = False):
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     policy = MixedPrecisionPolicy(param_dtype=getattr(torch, param_dtype_name) if param_dtype_name else None)
     reference = _model(layers, distinct_first)
     eager, compiled = _shard(copy.deepcopy(reference), policy), _shard(copy.deepcopy(reference), policy)
-    with blocks_as_frames(), observe_graphs() as graphs, _prefetches_issued() as issued:
+    with blocks_as_frames(), observe_graphs() as graphs, _prefetches_issued() as issued, _backward_gathers() as backward:
         runner = torch.compile(compiled, backend=backend)
         compiled_collectives = _collectives_per_step(compiled, runner, 2)
+        backward_of_two_steps = list(backward)
         compiled_losses = _train(runner, 2, seed=7)
     forwards = [g for kind, g in graphs if kind == "forward"]
     frame_forwards = [g for g in forwards if _matmuls(g) and _waits_on_inputs(g)]
@@ -89,8 +126,11 @@ def _frames_against_eager(layers: int, backend: str, param_dtype_name: str | Non
         "frame_graphs": len(frame_backwards),
         "saved_gathered": sorted({group for g in forwards for group in _saved_all_gather_outputs(g)}),
         "frame_backwards_regather": [bool(_groups_gathered(g) & {FRAME, FIRST_FRAME}) for g in frame_backwards],
+        # Where each block frame's backward graph gathers, taking a prefetch: before its first matmul.
+        "frame_backwards_gather_before_compute": [_first(g, FRAME_BACKWARD_GATHER) < _matmuls(g)[0] for g in frame_backwards],
         # The last step's forward: each block frame entered, and the all-gathers issued as it was.
         "issued_at_entry": issued[1 - layers:],
+        "backward_gathers": backward_of_two_steps,
         "frame_forwards_gather": [bool(_groups_gathered(g)) for g in frame_forwards],
         "frame_forwards_wait_before_compute": [_waits_on_inputs(g)[0] < _matmuls(g)[0] for g in frame_forwards],
         "compiled_collectives": compiled_collectives,
@@ -102,11 +142,18 @@ def _frames_against_eager(layers: int, backend: str, param_dtype_name: str | Non
 
 
 def _groups_gathered(graph: torch.fx.GraphModule) -> set[str]:
-    return {fsdp_annotation(n)[GROUP_KEY] for n in graph.graph.nodes if n.target is ALL_GATHER and fsdp_annotation(n)}
+    """The groups an all-gather of the graph gathers (a graph node, or a block frame's backward
+    all-gather that takes a prefetch: [Note: backward prefetch across block frames])."""
+    gathers = (ALL_GATHER, FRAME_BACKWARD_GATHER)
+    return {fsdp_annotation(n)[GROUP_KEY] for n in graph.graph.nodes if n.target in gathers and fsdp_annotation(n)}
 
 
 def _groups_reduced(graph: torch.fx.GraphModule) -> set[str]:
     return {fsdp_annotation(n)[GROUP_KEY] for n in graph.graph.nodes if n.target is REDUCE_SCATTER and fsdp_annotation(n)}
+
+
+def _first(graph: torch.fx.GraphModule, target: object) -> float:
+    return next((i for i, n in enumerate(graph.graph.nodes) if n.target is target), float("inf"))
 
 
 def _matmuls(graph: torch.fx.GraphModule) -> list[int]:
@@ -151,6 +198,11 @@ def test_blocks_as_frames_compile_one_graph_for_two_or_twelve_blocks_with_eagers
         labels = [f"layers.{index}" for index in range(result["layers"])]
         assert result["issued_at_entry"] == _prefetch_chain(labels), result
         assert result["frame_forwards_gather"] == [False] and all(result["frame_forwards_wait_before_compute"]), result
+        # In backward, block i-1's all-gather is issued where block i's graph gathers (at its start, before
+        # its first matmul), and block i-1's graph takes it: from the second step on, once each block's
+        # backward all-gather is known ([Note: backward prefetch across block frames]).
+        assert result["backward_gathers"] == _backward_prefetch_chain(labels), result
+        assert all(result["frame_backwards_gather_before_compute"]), result
     # One block frame at any depth, not one per block: the first, the last and every other block
     # take the same graph. Twelve blocks compile no graph more than two.
     assert (shallow["frame_graphs"], deep["frame_graphs"]) == (1, 1), (shallow, deep)
@@ -166,6 +218,9 @@ def test_blocks_as_frames_match_eager_with_a_distinct_first_block(dist, backend,
     assert result["frame_graphs"] == 2 and all(result["frame_backwards_regather"]), result
     assert result["issued_at_entry"] == _prefetch_chain(["layers.0", "layers.1", "layers.2"]), result
     assert result["frame_forwards_gather"] == [False, False] and all(result["frame_forwards_wait_before_compute"]), result
+    # The backward prefetch crosses from one structure's graph to the other's.
+    assert result["backward_gathers"] == _backward_prefetch_chain(["layers.0", "layers.1", "layers.2"]), result
+    assert all(result["frame_backwards_gather_before_compute"]), result
 
 
 # --- frames Dynamo runs eagerly ---------------------------------------------------------------------
