@@ -328,9 +328,26 @@ def traced_in_a_callers_higher_order_op() -> bool:
     if tx is None or tx.output.current_tracer.parent is None:
         return False
     root_code = tx.output.root_tx.f_code
-    # The rest of a block's forward after its frame's graph break: Dynamo's resume function of
-    # FSDPModule.forward, named after it, in the same file.
-    return not (root_code.co_filename == _MODULE_FILE and root_code.co_name.startswith("torch_dynamo_resume_in_forward"))
+    # The rest of a block's forward (or __call__) after its frame's graph break: Dynamo's resume
+    # function of FSDPModule.forward (or of the FSDP class's __call__), named after it, in the same file.
+    return not (root_code.co_filename == _MODULE_FILE and root_code.co_name.startswith(_BLOCK_FRAME_RESUME_NAMES))
+
+
+# Dynamo's resume functions of a block frame's graph break: in FSDPModule.forward, or in the FSDP
+# class's __call__ ([Note: a block that checkpoints itself in __call__] in module.py).
+_BLOCK_FRAME_RESUME_NAMES = ("torch_dynamo_resume_in_forward", "torch_dynamo_resume_in__call_entering_block_frame")
+
+
+@torch._dynamo.assume_constant_result
+def traced_in_a_block_call_frame() -> bool:
+    """Read while Dynamo traces: whether the frame being traced is a block's frame entered in its
+    class's ``__call__`` ([Note: a block that checkpoints itself in __call__] in module.py), where the
+    block's forward runs its body as it is."""
+    tx = _dynamo_tracer()
+    if tx is None:
+        return False
+    root_code = tx.output.root_tx.f_code
+    return root_code.co_filename == _MODULE_FILE and root_code.co_name.startswith(_BLOCK_FRAME_RESUME_NAMES[1])
 
 
 @torch._dynamo.assume_constant_result

@@ -15,6 +15,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_compile.api import BackwardPrefetch, CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from fsdp_compile.backend import traced_in_a_block_call_frame
 from fsdp_compile.mesh import (
     DataParallelMeshDims, MeshInfo, TensorParallelLayout, default_mesh, mesh_device, mesh_info_for, post_forward_mesh_info_for,
     separate_group_of, tensor_parallel_layout,
@@ -75,6 +76,8 @@ class FSDPModule:
         # See [Note: compile once per block].
         if torch.compiler.is_compiling():
             state = self._fsdp_state()
+            if traced_in_a_block_call_frame():  # the frame its __call__ entered: [Note: a block that checkpoints itself in __call__]
+                return super().forward(*args, **kwargs)  # type: ignore[misc]
             if state.compiles_as_frame and state.training_state is TrainingState.IDLE:  # [Note: blocks compiled as frames]
                 state.eager_enter_block_frame()  # a graph break: the rest is the block's own frame
                 if not torch.compiler.is_compiling():  # Dynamo runs that frame eagerly
@@ -541,7 +544,9 @@ def _forward_reparametrized(
 # inside a higher-order op of its caller's graph (checkpoint(block, x), as Hugging Face's gradient
 # checkpointing calls its layers), whose graph cannot break there (backend.
 # traced_in_a_callers_higher_order_op): it compiles as a region of that graph, or inline where
-# regions are not used; and every block under fullgraph=True. Ranks whose control flow enters
+# regions are not used (a block whose class checkpoints itself in its own __call__, as Hugging Face's
+# layers do now, enters its frame there instead: [Note: a block that checkpoints itself in __call__]);
+# and every block under fullgraph=True. Ranks whose control flow enters
 # different blocks are caught before the block's collectives ([Note: ranks entering different block
 # frames] in graph_check.py), since every rank compiles the same frames.
 #
@@ -696,6 +701,40 @@ def _let_a_block_body_graph_break() -> None:
 _let_a_block_body_graph_break()
 
 
+# [Note: a block that checkpoints itself in __call__]
+# Hugging Face's decoder layers (GradientCheckpointingLayer) checkpoint themselves in their own
+# __call__, before nn.Module's: under gradient_checkpointing_enable() a layer call is
+# checkpoint(partial(nn.Module.__call__, layer), ...), so its forward runs inside the checkpoint's
+# higher-order op, where a block frame's graph break cannot happen, and every such block compiled as a
+# region of its caller's graph, whose compile time grows with depth. For a class whose __call__ is its
+# own, the FSDP class enters the block's frame in __call__ instead, before the user's __call__ (and its
+# checkpoint) runs: the frame's graph then holds the checkpoint, the forward and the parameter reads
+# inside it, as for a block that checkpoints inside its forward (torchtitan's recipe); the prefetched
+# parameters are copied out before the checkpoint (outside its higher-order op, where Dynamo keeps the
+# side effect). The forward, reached inside that frame (backend.traced_in_a_block_call_frame), runs the
+# body as it is. A frame Dynamo runs eagerly runs the user's __call__ eagerly, whose forward takes the
+# eager hooks ([Note: frames Dynamo runs eagerly]).
+def _entering_block_frame_before(user_call: Callable[..., Any]) -> Callable[..., Any]:
+    """The FSDP class's ``__call__`` over the user's ``user_call``; one code object for every class,
+    so one compiled frame serves every block whose guards hold."""
+
+    def _call_entering_block_frame(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling() and not traced_in_a_block_call_frame():
+            state = self._fsdp_state()
+            if state.compiles_as_frame and state.training_state is TrainingState.IDLE:
+                # A graph break: the rest is the block's frame, Dynamo's resume function named after
+                # this function (traced_in_a_block_call_frame).
+                state.eager_enter_block_frame()
+                if torch.compiler.is_compiling():
+                    state.traced_frame_prefetch()
+                    output = user_call(self, *args, **kwargs)
+                    state.frame_prefetched = state.frame_gathered = None
+                    return output
+        return user_call(self, *args, **kwargs)
+
+    return _call_entering_block_frame
+
+
 def _user_class(cls: type) -> type:
     """The class the user wrote, under our FSDP class and our traced-parameter class."""
     for klass in cls.__mro__:
@@ -848,7 +887,10 @@ def fully_shard(
     for m in modules:
         cls = type(m)
         if cls not in _fsdp_classes:
-            _fsdp_classes[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
+            namespace: dict[str, Any] = {"__module__": cls.__module__}
+            if cls.__call__ is not nn.Module.__call__:  # [Note: a block that checkpoints itself in __call__]
+                namespace["__call__"] = _entering_block_frame_before(cls.__call__)
+            _fsdp_classes[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), namespace)
         m.__class__ = _fsdp_classes[cls]
     return module
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import warnings
 
 import pytest
@@ -16,9 +17,10 @@ import fsdp_compile
 from benchmarks.measure import count_collectives
 from fsdp_compile import MixedPrecisionPolicy
 from fsdp_compile.backend import observe_graphs
-from fsdp_compile.models import Transformer, TransformerConfig
+from fsdp_compile.models import Transformer, TransformerBlock, TransformerConfig
 from fsdp_compile.passes.graph import ALL_GATHER, FRAME_BACKWARD_GATHER, GROUP_KEY, REDUCE_SCATTER, WAIT, fsdp_annotation
 from fsdp_compile.state import FSDPState, block_frame_in_trace
+from torch.utils.checkpoint import checkpoint
 from fsdp_testing import blocks_as_frames
 from test_compile_blocks import _IndexedBlock, _param_gap, _shard, _tokens, _train, steady_state_schedule
 from test_compile_graphs import _saved_all_gather_outputs
@@ -221,6 +223,73 @@ def test_blocks_as_frames_match_eager_with_a_distinct_first_block(dist, backend,
     # The backward prefetch crosses from one structure's graph to the other's.
     assert result["backward_gathers"] == _backward_prefetch_chain(["layers.0", "layers.1", "layers.2"]), result
     assert all(result["frame_backwards_gather_before_compute"]), result
+
+
+# --- blocks that checkpoint themselves in __call__ ---------------------------------------------------
+
+
+class _SelfCheckpointingBlock(TransformerBlock):
+    """Checkpoints itself in its own __call__ while training, as Hugging Face's GradientCheckpointingLayer
+    does under gradient_checkpointing_enable()."""
+
+    def __call__(self, *args, **kwargs):
+        if self.training:
+            return checkpoint(functools.partial(super().__call__, **kwargs), *args, use_reentrant=False)
+        return super().__call__(*args, **kwargs)
+
+
+SELF_CHECKPOINTING_FRAME = "_SelfCheckpointingBlock (block frame)"
+
+
+def _self_checkpointing_blocks_against_eager(layers: int):
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    reference = _model(layers)
+    for block in reference.layers:
+        block.__class__ = _SelfCheckpointingBlock
+    eager, compiled = _shard(copy.deepcopy(reference), MixedPrecisionPolicy()), _shard(copy.deepcopy(reference), MixedPrecisionPolicy())
+    tokens = _tokens(2, 12, seed=3)
+    with blocks_as_frames(), observe_graphs() as graphs, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        runner = torch.compile(compiled, backend="fsdp_aot_eager")
+        compiled_losses = _train(runner, 2, seed=7)
+    eager_losses = _train(eager, 2, seed=7)
+    param_gap = _param_gap(eager, compiled)  # before eval: the root keeps its parameters unsharded after a forward
+    with blocks_as_frames(), observe_graphs(), torch.no_grad():
+        compiled_eval = runner.eval()(tokens)
+    with torch.no_grad():
+        eager_eval = eager.eval()(tokens)
+    frame_backwards = [g for kind, g in graphs if kind == "backward" and SELF_CHECKPOINTING_FRAME in _groups_reduced(g)]
+    frame_forwards = [g for kind, g in graphs if kind == "forward" and _matmuls(g) and _waits_on_inputs(g)]
+    return {
+        "unique_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+        "frame_graphs": len(frame_backwards),
+        "forward_matmuls": [len(_matmuls(g)) for g in frame_forwards],
+        "backward_matmuls": [len(_matmuls(g)) for g in frame_backwards],
+        "eager_frames": sorted({str(w.message).split("'")[1] for w in caught if "ran eagerly inside a compiled model" in str(w.message)}),
+        "compiled_losses": compiled_losses,
+        "eager_losses": eager_losses,
+        "param_gap": param_gap,
+        "eval_gap": (compiled_eval - eager_eval).abs().max().item(),
+    }
+
+
+def test_blocks_that_checkpoint_themselves_in_call_compile_one_frame_at_any_depth(dist):
+    """[Note: a block that checkpoints itself in __call__] in fsdp_compile/module.py: Hugging Face's
+    layers under gradient_checkpointing_enable() checkpoint themselves in __call__, where a frame entered
+    in forward could not break the checkpoint's graph (every such block compiled as a region of the
+    caller's graph instead). Entered in __call__, one frame serves every block at 2 and 6 blocks, its
+    backward recomputes the forward (the checkpoint), and training and eval equal eager."""
+    shallow, deep = (dist.run(2, _self_checkpointing_blocks_against_eager, layers)[0] for layers in (2, 6))
+    for result in (shallow, deep):
+        _assert_trains_like_eager(result, 1e-5)
+        assert result["eval_gap"] < 1e-5 and result["eager_frames"] == [], result
+        assert result["frame_graphs"] == 1, result
+        # The checkpoint holds in the frame: its backward recomputes forward matmuls besides the two of
+        # each matmul's gradient (2 x 7 without the checkpoint; 20 with it, the last projection's output
+        # being needed by no gradient).
+        assert result["backward_matmuls"][0] > 2 * result["forward_matmuls"][0] > 0, result
+    assert deep["unique_graphs"] == shallow["unique_graphs"], (shallow, deep)
 
 
 # --- frames Dynamo runs eagerly ---------------------------------------------------------------------
