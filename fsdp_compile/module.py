@@ -702,18 +702,30 @@ _let_a_block_body_graph_break()
 
 
 # [Note: a block that checkpoints itself in __call__]
-# Hugging Face's decoder layers (GradientCheckpointingLayer) checkpoint themselves in their own
-# __call__, before nn.Module's: under gradient_checkpointing_enable() a layer call is
-# checkpoint(partial(nn.Module.__call__, layer), ...), so its forward runs inside the checkpoint's
+# Hugging Face's decoder layers (GradientCheckpointingLayer) checkpoint themselves under
+# gradient_checkpointing_enable(): in 4.x in their own __call__ (checkpoint(partial(nn.Module.__call__,
+# layer), ...)), in 5.x in their forward, which the class wraps for every subclass, our FSDP class
+# included (checkpoint(FSDPModule.forward, ...)). Either way our forward runs inside the checkpoint's
 # higher-order op, where a block frame's graph break cannot happen, and every such block compiled as a
-# region of its caller's graph, whose compile time grows with depth. For a class whose __call__ is its
-# own, the FSDP class enters the block's frame in __call__ instead, before the user's __call__ (and its
+# region of its caller's graph, whose compile time grows with depth (transformers 5.24's Llama: one
+# backward graph holding every layer's reduce-scatter). For such a class (_may_checkpoint_itself), the
+# FSDP class enters the block's frame in __call__ instead, before the user's __call__ (and the
 # checkpoint) runs: the frame's graph then holds the checkpoint, the forward and the parameter reads
 # inside it, as for a block that checkpoints inside its forward (torchtitan's recipe); the prefetched
 # parameters are copied out before the checkpoint (outside its higher-order op, where Dynamo keeps the
 # side effect). The forward, reached inside that frame (backend.traced_in_a_block_call_frame), runs the
 # body as it is. A frame Dynamo runs eagerly runs the user's __call__ eagerly, whose forward takes the
 # eager hooks ([Note: frames Dynamo runs eagerly]).
+def _may_checkpoint_itself(cls: type) -> bool:
+    """Whether a block of ``cls`` may checkpoint itself around its forward, inside its own call: its
+    class has a ``__call__`` of its own (Hugging Face's GradientCheckpointingLayer until 4.x), or is a
+    Hugging Face GradientCheckpointingLayer, which from 5.x wraps every subclass's forward (the FSDP
+    class's too) in the checkpoint."""
+    if cls.__call__ is not nn.Module.__call__:
+        return True
+    return any(klass.__name__ == "GradientCheckpointingLayer" and klass.__module__.startswith("transformers.") for klass in cls.__mro__)
+
+
 def _entering_block_frame_before(user_call: Callable[..., Any]) -> Callable[..., Any]:
     """The FSDP class's ``__call__`` over the user's ``user_call``; one code object for every class,
     so one compiled frame serves every block whose guards hold."""
@@ -888,7 +900,7 @@ def fully_shard(
         cls = type(m)
         if cls not in _fsdp_classes:
             namespace: dict[str, Any] = {"__module__": cls.__module__}
-            if cls.__call__ is not nn.Module.__call__:  # [Note: a block that checkpoints itself in __call__]
+            if _may_checkpoint_itself(cls):  # [Note: a block that checkpoints itself in __call__]
                 namespace["__call__"] = _entering_block_frame_before(cls.__call__)
             _fsdp_classes[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), namespace)
         m.__class__ = _fsdp_classes[cls]
