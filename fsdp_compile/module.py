@@ -731,7 +731,8 @@ def _entering_block_frame_before(user_call: Callable[..., Any]) -> Callable[...,
     so one compiled frame serves every block whose guards hold."""
 
     def _call_entering_block_frame(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling() and not traced_in_a_block_call_frame():
+        # The eager fallback (config.skip_fsdp_hooks) breaks the graph in forward, as for any block.
+        if torch.compiler.is_compiling() and not config.skip_fsdp_hooks and not traced_in_a_block_call_frame():
             state = self._fsdp_state()
             if state.compiles_as_frame and state.training_state is TrainingState.IDLE:
                 # A graph break: the rest is the block's frame, Dynamo's resume function named after
