@@ -87,10 +87,9 @@ def gather_in_frame_backward(
     """``fsdp_compile::frame_backward_all_gather`` run in a block frame's backward graph: the group's
     all-gather in flight (prefetched by the block after it, or issued now), after issuing the block
     before it's; see [Note: backward prefetch across block frames] in module.py."""
-    state = _frame_block_of(shards)
+    state, indices = _frame_block_of(shards)
     in_flight = None
     if state is not None:
-        indices = _indices_in_group(state, shards)
         state._frame_backward_gather = (indices, list(padded_numels), param_dtype, shard_size, shard_group_name)
         in_flight = state._take_backward_prefetch(shards)
     if in_flight is None:
@@ -101,15 +100,22 @@ def gather_in_frame_backward(
     return in_flight
 
 
-def _frame_block_of(shards: list[torch.Tensor]) -> "FSDPState | None":
-    """The registered block whose parameters' shards ``shards`` are (every one of them), or None."""
+def _frame_block_of(shards: list[torch.Tensor]) -> "tuple[FSDPState | None, tuple[int, ...] | None]":
+    """The registered block whose parameters' shards ``shards`` are (every one of them), with their
+    indices in its group, or (None, None)."""
     if not shards:
-        return None
+        return None, None
     reference = _frame_blocks_by_shard.get(shards[0].data_ptr())
     state = reference() if reference is not None else None
-    if state is None or not state._frame_backward_pending or _indices_in_group(state, shards) is None:
-        return None
-    return state
+    if state is None or not state._frame_backward_pending:
+        return None, None
+    indices = _indices_in_group(state, shards)
+    return (state, indices) if indices is not None else (None, None)
+
+
+def _addresses_and_versions(shards: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """What a backward prefetch was issued on: a later read of other or since-written shards differs."""
+    return [(shard.data_ptr(), shard._version) for shard in shards]
 
 
 def _indices_in_group(state: "FSDPState", shards: list[torch.Tensor]) -> "tuple[int, ...] | None":
@@ -498,7 +504,7 @@ class FSDPState:
         self._backward_prefetched, self._backward_prefetched_from = None, None
         if in_flight is None:
             return None
-        fresh = issued_from == (self._frame_backward_gather, [(s.data_ptr(), s._version) for s in shards])
+        fresh = issued_from == (self._frame_backward_gather, _addresses_and_versions(shards))
         if not fresh:
             torch.ops._c10d_functional.wait_tensor(in_flight)
             return None
@@ -520,7 +526,7 @@ class FSDPState:
             return
         _, padded_numels, param_dtype, shard_size, shard_group_name = self._frame_backward_gather
         self._backward_prefetched = issue_frame_prefetch(shards, padded_numels, param_dtype, shard_size, shard_group_name)
-        self._backward_prefetched_from = (self._frame_backward_gather, [(s.data_ptr(), s._version) for s in shards])
+        self._backward_prefetched_from = (self._frame_backward_gather, _addresses_and_versions(shards))
 
     def traced_frame_prefetch(self) -> list[torch.Tensor] | None:
         """Traced in this block's frame: the parameters of the all-gather in flight for it (waited on
