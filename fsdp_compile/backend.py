@@ -10,6 +10,7 @@ import functools
 import hashlib
 import os
 import warnings
+import weakref
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -336,6 +337,63 @@ def traced_in_a_callers_higher_order_op() -> bool:
 # Dynamo's resume functions of a block frame's graph break: in FSDPModule.forward, or in the FSDP
 # class's __call__ ([Note: a block that checkpoints itself in __call__] in module.py).
 _BLOCK_FRAME_RESUME_NAMES = ("torch_dynamo_resume_in_forward", "torch_dynamo_resume_in__call_entering_block_frame")
+
+
+# [Note: a recompile limit per block structure]
+# Every block frame is one code object to Dynamo (the resume function of FSDPModule.forward), so
+# torch._dynamo.config.recompile_limit (8 by default) counted the graphs of every block structure
+# together: a model whose blocks differ in something their forward reads (a per-layer index or
+# scale) compiled its first 8 structures and ran every later block eagerly, with a warning. A model
+# traced inline or as regions compiles each. So the limit counts per structure instead: the first
+# time a block's frame misses Dynamo's cache (no graph of the blocks before it holds for it), it is a
+# structure of its own and the frame code's limit grows by the user's limit; a block that compiled
+# before and misses again (a new shape, a train/eval switch) counts as a recompile, as for any code.
+# recompile_limit = 1 still runs a block eagerly at its first recompile; accumulated_recompile_limit
+# still caps the total.
+_structures_by_frame_code: dict[Any, int] = {}
+_blocks_seen_by_frame_code: "dict[Any, weakref.WeakSet[Any]]" = {}
+
+
+def _recompile_limit_per_block_structure() -> None:
+    """Installs the per-structure limit of [Note: a recompile limit per block structure] around Dynamo's
+    frame compile; once per process, a no-op on a torch whose Dynamo lacks the function it wraps."""
+    from torch._dynamo import config as dynamo_config, convert_frame
+
+    compile_frame = getattr(convert_frame, "_compile", None)
+    if compile_frame is None or getattr(compile_frame, "_fsdp_compile_limit_per_structure", False):
+        return
+
+    @functools.wraps(compile_frame)
+    def compile_with_a_limit_per_block_structure(code: Any, *args: Any, **kwargs: Any) -> Any:
+        if not (code.co_filename == _MODULE_FILE and code.co_name.startswith(_BLOCK_FRAME_RESUME_NAMES)):
+            return compile_frame(code, *args, **kwargs)
+        from fsdp_compile.state import block_frame_in_trace
+
+        block = block_frame_in_trace()
+        if not _cache_entries_of(code):  # the first compile, or the first since torch._dynamo.reset()
+            _blocks_seen_by_frame_code.pop(code, None)
+            _structures_by_frame_code.pop(code, None)
+        seen = _blocks_seen_by_frame_code.setdefault(code, weakref.WeakSet())
+        if block is not None and block not in seen:
+            seen.add(block)
+            _structures_by_frame_code[code] = _structures_by_frame_code.get(code, 0) + 1
+        structures = max(1, _structures_by_frame_code.get(code, 0))
+        with dynamo_config.patch(recompile_limit=dynamo_config.recompile_limit * structures):
+            return compile_frame(code, *args, **kwargs)
+
+    compile_with_a_limit_per_block_structure._fsdp_compile_limit_per_structure = True  # type: ignore[attr-defined]
+    convert_frame._compile = compile_with_a_limit_per_block_structure
+
+
+def _cache_entries_of(code: Any) -> list[Any]:
+    try:
+        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+    except ImportError:
+        return []
+    return _debug_get_cache_entry_list(code)
+
+
+_recompile_limit_per_block_structure()
 
 
 @torch._dynamo.assume_constant_result

@@ -527,7 +527,9 @@ def _forward_reparametrized(
 # and its backward holds the group's reduce-scatter, with a resharding block gathering again in
 # backward (passes/recompute.py, as for any graph). Dynamo keys compiled frames by code object, and
 # this code is every block's: a block whose guards hold on the first one's graph runs that graph, so
-# compile time stays flat with depth. Nothing in the trace may then tell blocks apart: the annotations
+# compile time stays flat with depth; blocks that differ compile a graph per structure, each structure
+# with its own recompile budget ([Note: a recompile limit per block structure] in backend.py). Nothing
+# in the trace may then tell blocks apart: the annotations
 # name the block's class (frame_label) and a shared token rather than the group's label and state,
 # and the backend learns which block it admits from the eager call that entered the frame
 # (block_frame_in_trace). The groups outside blocks (the root) are read in several graphs, the
