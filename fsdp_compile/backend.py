@@ -351,6 +351,9 @@ _BLOCK_FRAME_RESUME_NAMES = ("torch_dynamo_resume_in_forward", "torch_dynamo_res
 # recompile_limit = 1 still runs a block eagerly at its first recompile; accumulated_recompile_limit
 # still caps the total.
 _structures_by_frame_code: dict[Any, int] = {}
+# Every code object of module.py Dynamo compiled (FSDPModule.forward, shared by the root and each
+# block, and the block frames' resume functions), in order.
+_fsdp_frame_codes: dict[Any, None] = {}
 _blocks_seen_by_frame_code: "dict[Any, weakref.WeakSet[Any]]" = {}
 
 
@@ -365,6 +368,8 @@ def _recompile_limit_per_block_structure() -> None:
 
     @functools.wraps(compile_frame)
     def compile_with_a_limit_per_block_structure(code: Any, *args: Any, **kwargs: Any) -> Any:
+        if code.co_filename == _MODULE_FILE:
+            _fsdp_frame_codes[code] = None  # for fsdp_frames_recompile_limit_reached
         if not (code.co_filename == _MODULE_FILE and code.co_name.startswith(_BLOCK_FRAME_RESUME_NAMES)):
             return compile_frame(code, *args, **kwargs)
         from fsdp_compile.state import block_frame_in_trace
@@ -383,6 +388,27 @@ def _recompile_limit_per_block_structure() -> None:
 
     compile_with_a_limit_per_block_structure._fsdp_compile_limit_per_structure = True  # type: ignore[attr-defined]
     convert_frame._compile = compile_with_a_limit_per_block_structure
+
+
+def fsdp_frames_recompile_limit_reached() -> str | None:
+    """Why an FSDP module ran eagerly inside a compiled model, where it is Dynamo's recompile limit,
+    reached on FSDPModule.forward's code (the root's and every block's) or on the block frames'
+    ([Note: a recompile limit per block structure]): a sentence naming the limit and the way out,
+    else None."""
+    from torch._dynamo import config as dynamo_config
+
+    for code in list(_fsdp_frame_codes):
+        structures = _structures_by_frame_code.get(code)
+        graphs = len(_cache_entries_of(code))
+        if graphs and graphs >= dynamo_config.recompile_limit * max(1, structures or 1):
+            per = f" per block structure, {structures} structure(s)" if structures else ""
+            return (
+                f"Dynamo's recompile limit: the {graphs} graph(s) of {code.co_name} reached "
+                f"torch._dynamo.config.recompile_limit ({dynamo_config.recompile_limit}){per}; each new input shape, "
+                "dtype or train/eval switch compiles one more. Raise torch._dynamo.config.recompile_limit, or mark "
+                "the varying dimension dynamic, to compile it"
+            )
+    return None
 
 
 def _cache_entries_of(code: Any) -> list[Any]:

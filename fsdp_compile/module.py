@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_compile.api import BackwardPrefetch, CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from fsdp_compile.backend import traced_in_a_block_call_frame
+from fsdp_compile.backend import fsdp_frames_recompile_limit_reached, traced_in_a_block_call_frame
 from fsdp_compile.mesh import (
     DataParallelMeshDims, MeshInfo, TensorParallelLayout, default_mesh, mesh_device, mesh_info_for, post_forward_mesh_info_for,
     separate_group_of, tensor_parallel_layout,
@@ -113,10 +113,13 @@ class FSDPModule:
         state = self._fsdp_state()
         if state not in _warned_eager_frames:
             _warned_eager_frames.add(state)
+            why = fsdp_frames_recompile_limit_reached() or (
+                "torch.compiler.disable, a recompile limit, a skipped frame, or a backend that failed on the graph, "
+                "which the backend's warning names"
+            )
             warnings.warn(
                 f"fsdp_compile: the forward of '{state.label}' ran eagerly inside a compiled model (Dynamo did not "
-                "compile this frame: torch.compiler.disable, a recompile limit, a skipped frame, or a backend that "
-                "failed on the graph, which the backend's warning names); its FSDP hooks run eagerly around it. "
+                f"compile this frame: {why}); its FSDP hooks run eagerly around it. "
                 "Numerics are unchanged; its collectives are not part of the compiled graph.",
                 stacklevel=2,
             )

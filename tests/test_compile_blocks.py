@@ -516,6 +516,10 @@ def _whole_model_with_eager_frames(case: str):
         "param_gap": _param_gap(eager, compiled),
         "warnings": sorted({str(w.message)[:60] for w in caught if "ran eagerly inside a compiled model" in str(w.message)}),
         "backend_warnings": sorted({str(w.message)[:90] for w in caught if "could not compile graph" in str(w.message)}),
+        "told_of_the_recompile_limit": sorted(
+            str(w.message).split("'")[1] for w in caught
+            if "ran eagerly inside a compiled model" in str(w.message) and "torch._dynamo.config.recompile_limit (1)" in str(w.message)
+        ),
     }
 
 
@@ -545,6 +549,8 @@ def test_whole_model_frames_run_eagerly_get_the_eager_hooks_and_train_like_eager
         # length and run each block (and the root) eagerly, with its eager hooks, each named once.
         named = ["Transformer"] + [f"layers.{i}" for i in range(3)]
         assert result["warnings"] == [f"fsdp_compile: the forward of '{label}' ran eagerly inside a"[:60] for label in named], result
+        # Each warning names the limit and the way out ([Note: a recompile limit per block structure] in backend.py).
+        assert result["told_of_the_recompile_limit"] == named, result
     else:  # said by the backend, with the error, not only by the modules that then ran eagerly
         assert result["backend_warnings"] and all(
             "fsdp_aot_eager could not compile graph" in w and "DataDependentOutputException" in w for w in result["backend_warnings"]
