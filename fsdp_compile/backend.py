@@ -349,7 +349,8 @@ _BLOCK_FRAME_RESUME_NAMES = ("torch_dynamo_resume_in_forward", "torch_dynamo_res
 # structure of its own and the frame code's limit grows by the user's limit; a block that compiled
 # before and misses again (a new shape, a train/eval switch) counts as a recompile, as for any code.
 # recompile_limit = 1 still runs a block eagerly at its first recompile; accumulated_recompile_limit
-# still caps the total.
+# still caps the total. The same holds for blocks compiled alone (block.compile(), torchtitan's
+# per-block recipe), whose frames are all FSDPModule.forward's code.
 _structures_by_frame_code: dict[Any, int] = {}
 # Every code object of module.py Dynamo compiled (FSDPModule.forward, shared by the root and each
 # block, and the block frames' resume functions), in order.
@@ -368,18 +369,17 @@ def _recompile_limit_per_block_structure() -> None:
 
     @functools.wraps(compile_frame)
     def compile_with_a_limit_per_block_structure(code: Any, *args: Any, **kwargs: Any) -> Any:
-        if code.co_filename == _MODULE_FILE:
-            _fsdp_frame_codes[code] = None  # for fsdp_frames_recompile_limit_reached
-        if not (code.co_filename == _MODULE_FILE and code.co_name.startswith(_BLOCK_FRAME_RESUME_NAMES)):
+        if code.co_filename != _MODULE_FILE:
             return compile_frame(code, *args, **kwargs)
-        from fsdp_compile.state import block_frame_in_trace
-
-        block = block_frame_in_trace()
+        _fsdp_frame_codes[code] = None  # for fsdp_frames_recompile_limit_reached
+        block = _block_whose_frame_is_compiled(code, args[1] if len(args) > 1 and isinstance(args[1], dict) else {})
+        if block is None:
+            return compile_frame(code, *args, **kwargs)
         if not _cache_entries_of(code):  # the first compile, or the first since torch._dynamo.reset()
             _blocks_seen_by_frame_code.pop(code, None)
             _structures_by_frame_code.pop(code, None)
         seen = _blocks_seen_by_frame_code.setdefault(code, weakref.WeakSet())
-        if block is not None and block not in seen:
+        if block not in seen:
             seen.add(block)
             _structures_by_frame_code[code] = _structures_by_frame_code.get(code, 0) + 1
         structures = max(1, _structures_by_frame_code.get(code, 0))
@@ -388,6 +388,19 @@ def _recompile_limit_per_block_structure() -> None:
 
     compile_with_a_limit_per_block_structure._fsdp_compile_limit_per_structure = True  # type: ignore[attr-defined]
     convert_frame._compile = compile_with_a_limit_per_block_structure
+
+
+def _block_whose_frame_is_compiled(code: Any, frame_locals: dict[str, Any]) -> Any:
+    """The FSDP state of the block whose frame Dynamo is about to compile, or None: a block frame
+    (the resume function of its forward's graph break, entered by that block) or the forward of a
+    block compiled alone (block.compile(), torchtitan's per-block recipe)."""
+    from fsdp_compile.state import block_frame_in_trace, state_of
+
+    if code.co_name.startswith(_BLOCK_FRAME_RESUME_NAMES):
+        return block_frame_in_trace()
+    module = frame_locals.get("self")
+    state = state_of(module) if code.co_name == "forward" and isinstance(module, torch.nn.Module) else None
+    return state if state is not None and state.per_block_compiled else None
 
 
 def fsdp_frames_recompile_limit_reached() -> str | None:

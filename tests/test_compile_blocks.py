@@ -75,6 +75,8 @@ def _per_block(case: str, param_dtype_name: str | None):
     policy = MixedPrecisionPolicy(param_dtype=getattr(torch, param_dtype_name) if param_dtype_name else None)
     torch.manual_seed(0)
     reference = Transformer(DEEP)
+    if case == "twelve_structures":
+        reference.layers = nn.ModuleList(_IndexedBlock(i) for i in range(len(reference.layers)))
     eager, compiled = _shard(copy.deepcopy(reference), policy), copy.deepcopy(reference)
     if case == "compiled_before_sharding":
         # torchtitan's apply_compile runs before fully_shard: fully_shard takes the compiled blocks.
@@ -89,11 +91,14 @@ def _per_block(case: str, param_dtype_name: str | None):
                 block.compile(backend="fsdp_inductor")
             if case == "one_block_disabled" and index == 5:
                 block.forward = torch.compiler.disable(block.forward)
-        eager_losses, compiled_losses = _train(eager, 3), _train(compiled, 3)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            eager_losses, compiled_losses = _train(eager, 3), _train(compiled, 3)
     finally:
         torch._dynamo.config.recompile_limit = previous_limit
     stats = torch._dynamo.utils.counters["stats"]
     return {
+        "eager_frames": sorted({str(w.message).split("'")[1] for w in caught if "ran eagerly inside a compiled model" in str(w.message)}),
         "eager_losses": eager_losses,
         "compiled_losses": compiled_losses,
         "param_gap": _param_gap(eager, compiled),
@@ -111,6 +116,17 @@ def test_per_block_compile_of_twelve_blocks_shares_one_graph_and_trains_like_eag
     # One forward graph for all twelve blocks (no guard on a block's identity), no recompiles.
     assert result["unique_graphs"] == 1, result
     assert result["recompiles"] == 0, result
+
+
+def test_per_block_compile_of_twelve_block_structures_compiles_each_and_trains_like_eager(dist):
+    """[Note: a recompile limit per block structure] in backend.py: twelve blocks that each read their
+    own index share FSDPModule.forward's code, whose recompile_limit (8) ran blocks 9-12 eagerly; each
+    structure now compiles its graph."""
+    result = dist.run(2, _per_block, "twelve_structures", None)[0]
+    for eager, compiled in zip(result["eager_losses"], result["compiled_losses"]):
+        assert abs(eager - compiled) <= 1e-5 * abs(eager), result
+    assert result["param_gap"] < 1e-5, result
+    assert result["unique_graphs"] == 12 and result["eager_frames"] == [], result
 
 
 def test_per_block_compile_with_bf16_matches_eager_bf16(dist):
