@@ -88,7 +88,8 @@ def _per_block(case: str, param_dtype_name: str | None):
     try:
         for index, block in enumerate(compiled.layers):
             if case != "compiled_before_sharding":
-                block.compile(backend="fsdp_inductor")
+                # What the recompile limit counts is Dynamo's: AOTAutograd alone compiles 12 graphs faster.
+                block.compile(backend="fsdp_aot_eager" if case == "twelve_structures" else "fsdp_inductor")
             if case == "one_block_disabled" and index == 5:
                 block.forward = torch.compiler.disable(block.forward)
         with warnings.catch_warnings(record=True) as caught:
