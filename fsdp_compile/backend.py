@@ -415,8 +415,9 @@ def fsdp_frames_recompile_limit_reached() -> str | None:
         graphs = len(_cache_entries_of(code))
         if graphs and graphs >= dynamo_config.recompile_limit * max(1, structures or 1):
             per = f" per block structure, {structures} structure(s)" if structures else ""
+            compiled = "the block frames" if code.co_name.startswith(_BLOCK_FRAME_RESUME_NAMES) else f"FSDPModule.{code.co_name}"
             return (
-                f"Dynamo's recompile limit: the {graphs} graph(s) of {code.co_name} reached "
+                f"the recompile limit: the {graphs} graph(s) of {compiled} reached "
                 f"torch._dynamo.config.recompile_limit ({dynamo_config.recompile_limit}){per}; each new input shape, "
                 "dtype or train/eval switch compiles one more. Raise torch._dynamo.config.recompile_limit, or mark "
                 "the varying dimension dynamic, to compile it"
