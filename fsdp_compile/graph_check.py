@@ -147,6 +147,10 @@ def check_block_frames_match_across_ranks(model: str, entered: Sequence[str], fi
 END_OF_FORWARD = "end of forward"
 
 
+# Appended to a block's label in the sequence of entered blocks where Dynamo runs its frame eagerly.
+EAGER_FRAME_MARK = " (run eagerly)"
+
+
 def block_frames_fingerprint(previous: str, label: str) -> str:
     """The fingerprint of a sequence of entered blocks, from its prefix's and its last block's label."""
     return _fingerprint_of([previous, label])
@@ -160,7 +164,13 @@ def block_frames_fingerprint(previous: str, label: str) -> str:
 # sequence of blocks a forward enters, so each rank checks that instead, as blocks are entered and
 # before the frame's collectives: a prefix of the sequence new to this rank is published and awaited
 # in the store as a new graph's collectives are. A sequence every rank entered before costs a set
-# lookup; a forward that ends early on one rank is told apart by END_OF_FORWARD.
+# lookup; a forward that ends early on one rank is told apart by END_OF_FORWARD. A block whose frame
+# Dynamo runs eagerly enters the sequence again, marked EAGER_FRAME_MARK, before its eager hooks'
+# collectives: a rank that runs it eagerly where another runs it compiled (Dynamo's recompile limit
+# reached on one rank) would gather and reduce at other points, and hung; the ranks meet where the
+# compiled one waits on a new graph or sequence, and both raise. A compiled rank that meets nothing
+# new (every graph and sequence agreed before) does not wait: the eager rank raises after
+# config.graph_check_timeout_s, and the compiled one stays in its collective.
 _frame_sequences_agreed: set[tuple[int, str, str]] = set()
 
 
@@ -226,9 +236,17 @@ def _raise_frames_divergence(store: object, prefix: str, rank: int, mine: str, o
         return store.get(key).decode() if store.check([key]) else fingerprint  # type: ignore[attr-defined]
 
     listed = "; ".join([f"rank {rank} entered {entered(mine)}"] + [f"rank {r} entered {entered(fp)}" for r, fp in others.items()])
+    run_eagerly = EAGER_FRAME_MARK in listed
     raise RuntimeError(
         f"fsdp_inductor: ranks entered different fully_shard blocks in one compiled forward ({listed}); ranks "
         f"{sorted([rank, *others])} differ. Every rank must run the same blocks in the same order (no control flow on "
         "the rank or on rank-local data that skips or reorders a fully_shard module), or their collectives would "
         "hang. Move rank-dependent logic outside the compiled model."
+        + (
+            " A block that Dynamo ran eagerly on some ranks only (its frame at Dynamo's recompile limit there, after "
+            "rank-local shapes recompiled it, or torch.compiler.disable on some ranks) gathers and reduces at other "
+            "points than a compiled one: raise torch._dynamo.config.recompile_limit, or give every rank the same "
+            "shapes (pad the batch), or disable the block on every rank."
+            if run_eagerly else ""
+        )
     )

@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_compile.api import BackwardPrefetch, CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from fsdp_compile.backend import fsdp_frames_recompile_limit_reached, traced_in_a_block_call_frame
+from fsdp_compile.graph_check import EAGER_FRAME_MARK
 from fsdp_compile.mesh import (
     DataParallelMeshDims, MeshInfo, TensorParallelLayout, default_mesh, mesh_device, mesh_info_for, post_forward_mesh_info_for,
     separate_group_of, tensor_parallel_layout,
@@ -123,6 +124,13 @@ class FSDPModule:
                 "Numerics are unchanged; its collectives are not part of the compiled graph.",
                 stacklevel=2,
             )
+        root = state.outermost()
+        if config.compile_blocks_as_frames and root.frames_forward_running:
+            # A frame one rank runs eagerly while another runs it compiled gathers and reduces at other
+            # points (the root's group, the backward prefetch): told apart here, before its collectives,
+            # as ranks entering different blocks are ([Note: ranks entering different block frames] in
+            # graph_check.py); ranks that all run it eagerly agree.
+            root._check_frames_entered_across_ranks(state.label + EAGER_FRAME_MARK)
         # The all-gather issued as the frame was entered serves the eager hooks: none is issued twice.
         state.hand_frame_prefetch_to_eager_hooks()
         args, kwargs = state._pre_forward(self, args, kwargs)

@@ -352,6 +352,45 @@ def test_block_frames_steady_state_recompiles_once_per_shape_class_not_per_block
     assert graphs[8] - graphs[7] <= graphs[0] and graphs[9] == graphs[8], graphs
 
 
+def _a_frame_run_eagerly_on_one_rank() -> str:
+    """Rank 0 alone at a recompile limit of 1: Dynamo runs a block's frame eagerly there that rank 1
+    runs compiled."""
+    torch._dynamo.reset()
+    model = _shard(_model(3), MixedPrecisionPolicy())
+    previous_limit = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = 1 if torch.distributed.get_rank() == 0 else 8
+    try:
+        with blocks_as_frames(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            runner = torch.compile(model, backend="fsdp_aot_eager", dynamic=False)
+            try:
+                _train(runner, 3, seqs=(12, 12, 8))
+            except RuntimeError as error:
+                return str(error)
+    finally:
+        torch._dynamo.config.recompile_limit = previous_limit
+    return "trained"
+
+
+def test_a_block_frame_run_eagerly_on_one_rank_only_fails_before_its_collectives_naming_it():
+    """Before, the ranks' collectives paired up wrongly and the job hung: the eager rank's hooks gather
+    and reduce at other points than the compiled rank's graphs. The eager rank publishes its block
+    marked "(run eagerly)" in the store; the compiled rank meets it where it waits for the ranks on a
+    new graph or a new sequence of blocks, and both raise. In fresh ranks, as a job's: a graph every rank
+    agreed on before (in another test's model) is not waited on again (its check costs a set lookup),
+    and then only the eager rank would wait, for config.graph_check_timeout_s."""
+    from conftest import DistributedPool
+
+    pool = DistributedPool(2)
+    try:
+        messages = pool.run(_a_frame_run_eagerly_on_one_rank, timeout_s=120)
+    finally:
+        pool.close()
+    for message in messages:
+        assert "ranks entered different fully_shard blocks" in message and "layers.0 (run eagerly)" in message, message
+        assert "torch._dynamo.config.recompile_limit" in message, message
+
+
 # --- settings -------------------------------------------------------------------------------------
 
 
