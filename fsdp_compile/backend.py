@@ -328,15 +328,19 @@ def traced_in_a_callers_higher_order_op() -> bool:
     tx = _dynamo_tracer()
     if tx is None or tx.output.current_tracer.parent is None:
         return False
-    root_code = tx.output.root_tx.f_code
-    # The rest of a block's forward (or __call__) after its frame's graph break: Dynamo's resume
-    # function of FSDPModule.forward (or of the FSDP class's __call__), named after it, in the same file.
-    return not (root_code.co_filename == _MODULE_FILE and root_code.co_name.startswith(_BLOCK_FRAME_RESUME_NAMES))
+    return not _is_block_frame_code(tx.output.root_tx.f_code)
 
 
 # Dynamo's resume functions of a block frame's graph break: in FSDPModule.forward, or in the FSDP
 # class's __call__ ([Note: a block that checkpoints itself in __call__] in module.py).
 _BLOCK_FRAME_RESUME_NAMES = ("torch_dynamo_resume_in_forward", "torch_dynamo_resume_in__call_entering_block_frame")
+
+
+def _is_block_frame_code(code: Any) -> bool:
+    """Whether ``code`` is the rest of a block's forward (or __call__) after its frame's graph break:
+    Dynamo's resume function of FSDPModule.forward (or of the FSDP class's __call__), named after it,
+    in the same file."""
+    return code.co_filename == _MODULE_FILE and code.co_name.startswith(_BLOCK_FRAME_RESUME_NAMES)
 
 
 # [Note: a recompile limit per block structure]
@@ -396,7 +400,7 @@ def _block_whose_frame_is_compiled(code: Any, frame_locals: dict[str, Any]) -> A
     block compiled alone (block.compile(), torchtitan's per-block recipe)."""
     from fsdp_compile.state import block_frame_in_trace, state_of
 
-    if code.co_name.startswith(_BLOCK_FRAME_RESUME_NAMES):
+    if _is_block_frame_code(code):
         return block_frame_in_trace()
     module = frame_locals.get("self")
     state = state_of(module) if code.co_name == "forward" and isinstance(module, torch.nn.Module) else None
@@ -413,9 +417,9 @@ def fsdp_frames_recompile_limit_reached() -> str | None:
     for code in list(_fsdp_frame_codes):
         structures = _structures_by_frame_code.get(code)
         graphs = len(_cache_entries_of(code))
-        if graphs and graphs >= dynamo_config.recompile_limit * max(1, structures or 1):
+        if graphs and graphs >= dynamo_config.recompile_limit * (structures or 1):
             per = f" per block structure, {structures} structure(s)" if structures else ""
-            compiled = "the block frames" if code.co_name.startswith(_BLOCK_FRAME_RESUME_NAMES) else f"FSDPModule.{code.co_name}"
+            compiled = "the block frames" if _is_block_frame_code(code) else f"FSDPModule.{code.co_name}"
             return (
                 f"the recompile limit: the {graphs} graph(s) of {compiled} reached "
                 f"torch._dynamo.config.recompile_limit ({dynamo_config.recompile_limit}){per}; each new input shape, "
