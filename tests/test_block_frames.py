@@ -22,7 +22,7 @@ from fsdp_compile.passes.graph import ALL_GATHER, FRAME_BACKWARD_GATHER, GROUP_K
 from fsdp_compile.state import FSDPState, block_frame_in_trace
 from torch.utils.checkpoint import checkpoint
 from fsdp_testing import blocks_as_frames
-from test_compile_blocks import _IndexedBlock, _param_gap, _shard, _tokens, _train, steady_state_schedule
+from test_compile_blocks import _IndexedBlock, _modules_run_eagerly, _param_gap, _shard, _tokens, _train, steady_state_schedule
 from test_compile_graphs import _saved_all_gather_outputs
 from test_compiled_settings import _refused
 
@@ -266,7 +266,7 @@ def _self_checkpointing_blocks_against_eager(layers: int):
         "frame_graphs": len(frame_backwards),
         "forward_matmuls": [len(_matmuls(g)) for g in frame_forwards],
         "backward_matmuls": [len(_matmuls(g)) for g in frame_backwards],
-        "eager_frames": sorted({str(w.message).split("'")[1] for w in caught if "ran eagerly inside a compiled model" in str(w.message)}),
+        "eager_frames": _modules_run_eagerly(caught),
         "compiled_losses": compiled_losses,
         "eager_losses": eager_losses,
         "param_gap": param_gap,
@@ -311,7 +311,7 @@ def _frames_run_eagerly(case: str):
         "eager_losses": _train(eager, len(seqs), seqs=seqs),
         "compiled_losses": compiled_losses,
         "param_gap": _param_gap(eager, compiled),
-        "eager_frames": sorted({str(w.message).split("'")[1] for w in caught if "ran eagerly inside a compiled model" in str(w.message)}),
+        "eager_frames": _modules_run_eagerly(caught),
         "prefetch_warnings": [str(w.message) for w in caught if "set_modules_to_forward_prefetch" in str(w.message)],
     }
 

@@ -56,6 +56,12 @@ def _train(model, steps: int, seed: int = 0, seqs: tuple[int, ...] | None = None
     return losses
 
 
+def _modules_run_eagerly(caught) -> list[str]:
+    """The modules the recorded warnings say ran eagerly inside a compiled model ([Note: frames Dynamo
+    runs eagerly] in module.py), each once."""
+    return sorted({str(w.message).split("'")[1] for w in caught if "ran eagerly inside a compiled model" in str(w.message)})
+
+
 def _param_gap(a, b) -> float:
     return max((x.full_tensor() - y.full_tensor()).abs().max().item() for x, y in zip(a.parameters(), b.parameters()))
 
@@ -99,7 +105,7 @@ def _per_block(case: str, param_dtype_name: str | None):
         torch._dynamo.config.recompile_limit = previous_limit
     stats = torch._dynamo.utils.counters["stats"]
     return {
-        "eager_frames": sorted({str(w.message).split("'")[1] for w in caught if "ran eagerly inside a compiled model" in str(w.message)}),
+        "eager_frames": _modules_run_eagerly(caught),
         "eager_losses": eager_losses,
         "compiled_losses": compiled_losses,
         "param_gap": _param_gap(eager, compiled),
@@ -646,7 +652,7 @@ def _whole_model_where_dynamos_body_reuse_stops_as_regions(case: str):
         warnings.simplefilter("always")
         compiled_losses = _train(runner, len(seqs), seqs=seqs)
     return {
-        "eager_frames": sorted({str(w.message).split("'")[1] for w in caught if "ran eagerly inside a compiled model" in str(w.message)}),
+        "eager_frames": _modules_run_eagerly(caught),
         "eager_losses": _train(eager, len(seqs), seqs=seqs),
         "compiled_losses": compiled_losses,
         "param_gap": _param_gap(eager, compiled),
