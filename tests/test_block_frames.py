@@ -211,7 +211,7 @@ def test_blocks_as_frames_compile_one_graph_for_two_or_twelve_blocks_with_eagers
     assert deep["unique_graphs"] == shallow["unique_graphs"], (shallow, deep)
 
 
-@pytest.mark.parametrize("backend,param_dtype_name", [("fsdp_aot_eager", None), ("fsdp_inductor", "bfloat16")])
+@pytest.mark.parametrize("backend,param_dtype_name", [("fsdp_aot_eager", None), ("fsdp_aot_eager", "bfloat16")])
 def test_blocks_as_frames_match_eager_with_a_distinct_first_block(dist, backend, param_dtype_name):
     result = dist.run(2, _frames_against_eager, 3, backend, param_dtype_name, True)[0]
     _assert_trains_like_eager(result, 1e-2 if param_dtype_name else 1e-5)

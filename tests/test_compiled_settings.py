@@ -74,8 +74,8 @@ def _accumulate_compiled_and_eager(backend: str, hybrid: bool = False, micro_bat
 _GRAPHS_RECOMPILED_FOR_SYNC = 2 if fsdp_compile.config.compile_blocks_as_frames else 1
 
 
-def test_accumulation_without_sync_under_fsdp_inductor_reduce_scatters_only_in_the_last_micro_batch(dist):
-    result = dist.run(2, _accumulate_compiled_and_eager, "fsdp_inductor")[0]
+def test_compiled_accumulation_without_sync_reduce_scatters_only_in_the_last_micro_batch(dist):
+    result = dist.run(2, _accumulate_compiled_and_eager, "fsdp_aot_eager")[0]
     groups = 3  # two blocks and the root
     assert result["eager"]["reduce_scatters"] == [[0, 0, 0, groups]] * 2
     assert result["compiled"]["reduce_scatters"] == result["eager"]["reduce_scatters"]
@@ -88,7 +88,7 @@ def test_accumulation_without_sync_under_fsdp_inductor_reduce_scatters_only_in_t
     assert graphs == [graphs[0]] * (MICRO_BATCHES - 1) + [synced] * (MICRO_BATCHES + 1), graphs
 
 
-def test_hsdp_deferred_all_reduce_under_fsdp_inductor_all_reduces_only_in_the_last_micro_batch(dist):
+def test_compiled_hsdp_deferred_all_reduce_all_reduces_only_in_the_last_micro_batch(dist):
     # HSDP 2x2, set_requires_all_reduce(False) but in the last micro-batch; graphs without Inductor's codegen.
     micro = 3
     result = dist.run(4, _accumulate_compiled_and_eager, "fsdp_aot_eager", True, micro)[0]

@@ -1,6 +1,7 @@
 """Compiled training as real loops run it: per-rank shapes and rank-local recompiles, evaluation
 mid-training, checkpointed blocks, gradient clipping and accumulation, skipped blocks, an
-optimizer built too early; each under fsdp_inductor against our eager runtime."""
+optimizer built too early; each compiled against our eager runtime (fsdp_aot_eager: fsdp_inductor's
+trace, checks and graph passes, without the code generation test_compile.py checks)."""
 from __future__ import annotations
 
 import copy
@@ -57,7 +58,7 @@ def _per_rank_shapes(dynamic):
     eager, compiled = _pair(lambda: TinyLM(vocab_size=TINY.vocab_size, dim=16))
     # fsdp_aot_eager: the same Dynamo graphs, cross-rank check and passes as fsdp_inductor, without
     # the Inductor code generation that would make each of the recompiles here cost a minute on
-    # 2 cores (Inductor's numerics are checked in test_compile.py and in the loops below).
+    # 2 cores (Inductor's numerics are checked in test_compile.py).
     runner = torch.compile(compiled, backend="fsdp_aot_eager", dynamic=dynamic)
     # (rows, seq) per step and rank: rank 1's batch grows, then rank 0's sequence shrinks, then a
     # smaller last batch on every rank.
@@ -116,7 +117,7 @@ def test_optimizer_built_before_fully_shard_fails_at_its_first_step_naming_the_f
     assert result["late_optimizer_moved"] > 0
 
 
-# --- the loops people write, under fsdp_inductor -----------------------------------------------------
+# --- the loops people write, compiled --------------------------------------------------------------
 
 
 class _CheckpointedBlock(nn.Module):
@@ -152,13 +153,13 @@ class _SkippingLM(nn.Module):
 
 
 def _training_loops():
-    """One model eager and one under fsdp_inductor through the same loop; named figures per phase."""
+    """One model eager and one compiled through the same loop; named figures per phase."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     torch.manual_seed(0)
     reference = _SkippingLM()
     eager, compiled = shard_model(copy.deepcopy(reference), fully_shard), shard_model(copy.deepcopy(reference), fully_shard)
-    runner = torch.compile(compiled, backend="fsdp_inductor")
+    runner = torch.compile(compiled, backend="fsdp_aot_eager")
     figures = {"eager": {}, "compiled": {}}
     graphs = []
     rank = dist.get_rank()

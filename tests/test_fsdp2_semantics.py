@@ -100,7 +100,7 @@ def test_grouped_fully_shard_of_chained_modules_keeps_every_gradient(dist, param
 
 
 def test_grouped_fully_shard_of_chained_modules_keeps_every_gradient_compiled(dist):
-    result = dist.run(2, _grouped_modules_keep_every_gradient, None, "fsdp_inductor")[0]
+    result = dist.run(2, _grouped_modules_keep_every_gradient, None, "fsdp_aot_eager")[0]
     assert result["missing_grads"] == []
     assert result["vs_reference"] < 1e-5
 
@@ -145,7 +145,7 @@ def _optimizer_in_backward(compile_mode: str | None):
     }
 
 
-@pytest.mark.parametrize("compile_mode", [None, "fsdp_inductor"])
+@pytest.mark.parametrize("compile_mode", [None, "fsdp_aot_eager"])
 def test_post_accumulate_grad_hooks_step_the_optimizer_in_backward(dist, compile_mode):
     result = dist.run(2, _optimizer_in_backward, compile_mode)[0]
     assert result["fired_per_step"] == [result["params"]] * 3, "each sharded parameter's hook runs once per backward"
@@ -291,7 +291,7 @@ def _structured_activations(compile_mode: str | None):
     return {"vs_reference": max_difference(ours, expected), "moved": max_difference(expected, initial)}
 
 
-@pytest.mark.parametrize("compile_mode", [None, "fsdp_inductor"])
+@pytest.mark.parametrize("compile_mode", [None, "fsdp_aot_eager"])
 def test_dataclass_namedtuple_and_dict_activations_between_sharded_modules(dist, compile_mode):
     result = dist.run(2, _structured_activations, compile_mode)[0]
     assert result["vs_reference"] < 1e-5
@@ -512,7 +512,7 @@ def test_loss_head_called_per_chunk_after_forward_matches_unsharded(dist, groupi
 
 @pytest.mark.parametrize("style", ["summed", "per_chunk_backward"])
 def test_loss_head_called_per_chunk_after_a_compiled_forward_matches_unsharded(dist, style):
-    result = dist.run(2, _chunked_loss, "own_head", style, "fsdp_inductor")[0]
+    result = dist.run(2, _chunked_loss, "own_head", style, "fsdp_aot_eager")[0]
     assert result["grads_vs_reference"] < 1e-5, result
     assert result["params_vs_reference"] < 1e-5, result
 
@@ -665,7 +665,7 @@ def _shard_on_dim1(compile_mode: str | None):
     }
 
 
-@pytest.mark.parametrize("compile_mode", [None, "fsdp_inductor"])
+@pytest.mark.parametrize("compile_mode", [None, "fsdp_aot_eager"])
 def test_shard_placement_fn_shards_weights_on_dim1_like_fsdp2(dist, compile_mode):
     result = dist.run(2, _shard_on_dim1, compile_mode)[0]
     assert result["placements"]["a.weight"] == "(Shard(dim=1),)" and result["placements"]["a.bias"] == "(Shard(dim=0),)"

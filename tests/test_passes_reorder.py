@@ -283,7 +283,7 @@ def _reordered_training_matches_eager(depth: int, budget: int | None):
     previous = fsdp_compile.config.passes
     fsdp_compile.config.passes = PassConfig(prefetch_depth=depth, max_inflight_bytes=budget)
     try:
-        return _compiled_vs_eager("fsdp_inductor")
+        return _compiled_vs_eager("fsdp_inductor", backend="fsdp_aot_eager")
     finally:
         fsdp_compile.config.passes = previous
 
