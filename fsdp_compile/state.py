@@ -272,7 +272,10 @@ class FSDPState:
         # one's (learned eagerly by enter_block_frame); this block's all-gather in flight, issued as
         # the frame before it (or its own) was entered, with the shards it read and their versions
         # (a shard written since makes it stale); in the frame's trace, the parameters copied out of it.
-        self.next_frame_block: FSDPState | None = None
+        # previous_frame_block is the block whose next_frame_block this one last became (its backward
+        # runs after this one's), kept by next_frame_block's setter.
+        self._next_frame_block: FSDPState | None = None
+        self.previous_frame_block: FSDPState | None = None
         self.frame_prefetched: torch.Tensor | None = None
         self._frame_prefetched_from: list[tuple[torch.Tensor, int]] = []
         self.frame_gathered: list[torch.Tensor] | None = None
@@ -389,6 +392,19 @@ class FSDPState:
         for state in self.states_in_tree():
             if state._is_outside_blocks():
                 state.frame_handoff = {}
+
+    @property
+    def next_frame_block(self) -> FSDPState | None:
+        return self._next_frame_block
+
+    @next_frame_block.setter
+    def next_frame_block(self, following: FSDPState | None) -> None:
+        before = self._next_frame_block
+        if before is not None and before.previous_frame_block is self:
+            before.previous_frame_block = None
+        self._next_frame_block = following
+        if following is not None:
+            following.previous_frame_block = self
 
     def _learn_frame_order(self) -> None:
         """Eagerly, as this block's frame is entered: the block entered before it in this forward
@@ -514,8 +530,7 @@ class FSDPState:
         """In this block's backward: issue the all-gather of the block that ran forward before it, whose
         backward runs next, where its compiled frame ran forward with gradients on since its backward
         last ran and its backward graph gathered before."""
-        root = self.outermost()
-        previous = next((s for s in root.states_in_tree() if s.next_frame_block is self), None)
+        previous = self.previous_frame_block
         if previous is not None and previous._frame_backward_pending and previous._backward_prefetched is None:
             previous._issue_backward_prefetch()
 
