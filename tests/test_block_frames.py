@@ -278,9 +278,9 @@ def test_blocks_that_checkpoint_themselves_in_call_compile_one_frame_at_any_dept
     """[Note: a block that checkpoints itself in __call__] in fsdp_compile/module.py: Hugging Face's
     layers under gradient_checkpointing_enable() checkpoint themselves in __call__, where a frame entered
     in forward could not break the checkpoint's graph (every such block compiled as a region of the
-    caller's graph instead). Entered in __call__, one frame serves every block at 2 and 6 blocks, its
+    caller's graph instead). Entered in __call__, one frame serves every block at 2 and 4 blocks, its
     backward recomputes the forward (the checkpoint), and training and eval equal eager."""
-    shallow, deep = (dist.run(2, _self_checkpointing_blocks_against_eager, layers)[0] for layers in (2, 6))
+    shallow, deep = (dist.run(2, _self_checkpointing_blocks_against_eager, layers)[0] for layers in (2, 4))
     for result in (shallow, deep):
         _assert_trains_like_eager(result, 1e-5)
         assert result["eval_gap"] < 1e-5 and result["eager_frames"] == [], result
