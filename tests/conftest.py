@@ -288,7 +288,26 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
 
     config.benchmark_smoke_run = start_benchmark_run()  # type: ignore[attr-defined]
     moved = {id(item) for item in smoke}
-    items[:] = [item for item in items if id(item) not in moved] + smoke
+    rest = [item for item in items if id(item) not in moved]
+    in_process = [item for item in rest if _runs_in_the_pytest_process_alone(item)]
+    first = {id(item) for item in in_process}
+    items[:] = in_process + [item for item in rest if id(item) not in first] + smoke
+
+
+def _runs_in_the_pytest_process_alone(item: pytest.Item) -> bool:
+    """Whether ``item`` starts no rank or other process: it takes no ``dist`` pool, and its module
+    starts none of its own (read from the module's source)."""
+    if "dist" in getattr(item, "fixturenames", ()) or getattr(item, "module", None) is None:
+        return False
+    path = getattr(item.module, "__file__", None)
+    if path not in _starts_processes:
+        with open(path) as source:
+            text = source.read()
+        _starts_processes[path] = any(word in text for word in ("DistributedPool", "subprocess", "multiprocessing"))
+    return not _starts_processes[path]
+
+
+_starts_processes: dict[str, bool] = {}
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -34,7 +34,10 @@ TINY = ["--dim", "32", "--layers", "2", "--heads", "4", "--vocab", "64", "--seq"
 # much of the suite keeps one core idle (the Triton interpreter's kernel tests run in one process).
 # So conftest.py starts it as soon as these tests are collected (start_benchmark_run) and moves them to
 # the suite's end, where ``run`` only waits for it: the suite's wall time drops by most of the run's.
-# Nothing it asserts depends on timing.
+# The tests that run in the pytest process alone (no ranks: the kernels under the interpreter, graphs
+# traced with a fake process group) move to the suite's start, so the run takes the core they leave
+# idle rather than competing with ranks for both (the first test files, 2-rank compiles, ran about
+# 45 s longer beside it). Nothing it asserts depends on timing.
 def start_benchmark_run() -> tuple[subprocess.Popen, pathlib.Path, pathlib.Path]:
     """``python -m benchmarks`` on the tiny model, started in the background: (process, out dir,
     folder of its stdout and stderr)."""
