@@ -425,7 +425,9 @@ class FSDPState:
             for state in root.states_in_tree():
                 if state is not self:
                     state.drop_frame_prefetch()  # a block the last forward prefetched and did not run
-        elif previous is not None and previous.next_frame_block is not self:
+        elif previous is not None:
+            # Set even where unchanged: that renews this block's previous_frame_block, which a block
+            # that ran before it in a forward that skipped it (and changed its next) cleared.
             previous.next_frame_block = self
         root._last_frame_block = self
 

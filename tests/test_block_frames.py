@@ -331,6 +331,47 @@ def test_block_frames_dynamo_runs_eagerly_get_the_eager_hooks_and_train_like_eag
         assert result["prefetch_warnings"] == [], result
 
 
+class _SkippingTransformer(Transformer):
+    """Runs every block but those whose index is in ``skip``, as a training loop that drops layers."""
+
+    skip: frozenset[int] = frozenset()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok_embeddings(tokens)
+        for index, layer in enumerate(self.layers):
+            if index not in self.skip:
+                x = layer(x, self.rope_cos, self.rope_sin)
+        return self.output(self.norm(x))
+
+
+def _backward_gathers_after_a_step_that_skips_a_block() -> list[tuple[str, str, bool]]:
+    """The backward all-gathers of the last step of: two steps of every block, one that skips the
+    middle block, two of every block again."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _SkippingTransformer(TransformerConfig(vocab_size=32, dim=16, n_layers=3, n_heads=2, max_seq_len=16))
+    model.skip = frozenset()
+    _shard(model, MixedPrecisionPolicy())
+    with blocks_as_frames(), _backward_gathers() as events:
+        runner = torch.compile(model, backend="fsdp_aot_eager")
+        _train(runner, 2)
+        model.skip = frozenset({1})
+        _train(runner, 1, seed=5)
+        model.skip = frozenset()
+        _train(runner, 1, seed=6)
+        del events[:]
+        _train(runner, 1, seed=7)
+    return list(events)
+
+
+def test_backward_prefetch_follows_the_blocks_again_after_a_step_that_skipped_one(dist):
+    # [Note: backward prefetch across block frames]: the block before each one is the one that ran
+    # forward before it in the last forward, also once the order changed and changed back.
+    events = dist.run(2, _backward_gathers_after_a_step_that_skips_a_block)[0]
+    labels = ["layers.0", "layers.1", "layers.2"]
+    assert events == _backward_prefetch_chain(labels)[len(labels):], events
+
+
 # --- steady state ---------------------------------------------------------------------------------
 
 
