@@ -272,9 +272,9 @@ class FSDPState:
         # one's (learned eagerly by enter_block_frame); this block's all-gather in flight, issued as
         # the frame before it (or its own) was entered, with the shards it read and their versions
         # (a shard written since makes it stale); in the frame's trace, the parameters copied out of it.
-        # previous_frame_block is the block whose next_frame_block this one last became (its backward
-        # runs after this one's), kept by next_frame_block's setter.
-        self._next_frame_block: FSDPState | None = None
+        # previous_frame_block: the block entered just before this one in the last forward that entered
+        # it (its backward runs after this one's), or None where this one came first.
+        self.next_frame_block: FSDPState | None = None
         self.previous_frame_block: FSDPState | None = None
         self.frame_prefetched: torch.Tensor | None = None
         self._frame_prefetched_from: list[tuple[torch.Tensor, int]] = []
@@ -393,19 +393,6 @@ class FSDPState:
             if state._is_outside_blocks():
                 state.frame_handoff = {}
 
-    @property
-    def next_frame_block(self) -> FSDPState | None:
-        return self._next_frame_block
-
-    @next_frame_block.setter
-    def next_frame_block(self, following: FSDPState | None) -> None:
-        before = self._next_frame_block
-        if before is not None and before.previous_frame_block is self:
-            before.previous_frame_block = None
-        self._next_frame_block = following
-        if following is not None:
-            following.previous_frame_block = self
-
     def _learn_frame_order(self) -> None:
         """Eagerly, as this block's frame is entered: the block entered before it in this forward
         prefetches this one from the next step on. The first forward takes the module tree's order
@@ -425,10 +412,9 @@ class FSDPState:
             for state in root.states_in_tree():
                 if state is not self:
                     state.drop_frame_prefetch()  # a block the last forward prefetched and did not run
-        elif previous is not None:
-            # Set even where unchanged: that renews this block's previous_frame_block, which a block
-            # that ran before it in a forward that skipped it (and changed its next) cleared.
+        elif previous is not None and previous.next_frame_block is not self:
             previous.next_frame_block = self
+        self.previous_frame_block = None if self is root._first_frame_block else previous
         root._last_frame_block = self
 
     def _prefetch_frame_gathers(self) -> None:
