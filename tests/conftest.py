@@ -289,9 +289,8 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     config.benchmark_smoke_run = start_benchmark_run()  # type: ignore[attr-defined]
     moved = {id(item) for item in smoke}
     rest = [item for item in items if id(item) not in moved]
-    in_process = [item for item in rest if _runs_in_the_pytest_process_alone(item)]
-    first = {id(item) for item in in_process}
-    items[:] = in_process + [item for item in rest if id(item) not in first] + smoke
+    # A stable sort: the in-process tests first, each group in collection order.
+    items[:] = sorted(rest, key=lambda item: not _runs_in_the_pytest_process_alone(item)) + smoke
 
 
 def _runs_in_the_pytest_process_alone(item: pytest.Item) -> bool:
