@@ -23,6 +23,7 @@ __all__ = [
     "record_collectives",
     "PendingAllGather",
     "PendingReduceScatter",
+    "pending_functional_reduce_scatter",
     "PendingPackedAllGather",
     "issue_all_gather",
     "wait_and_drop",
@@ -310,6 +311,23 @@ class PendingReduceScatter:
         comm.handle.wait_event(comm.handle.current_stream(), self.event)
         self.keep_alive.clear()
         return self.output
+
+
+class _FunctionalCollectiveWork:
+    """A functional collective's output (``torch.ops._c10d_functional``) as a pending collective's
+    ``work``: waited on by ``wait_tensor``."""
+
+    def __init__(self, output: torch.Tensor) -> None:
+        self.output = output
+
+    def wait(self) -> None:
+        torch.ops._c10d_functional.wait_tensor(self.output)
+
+
+def pending_functional_reduce_scatter(output: torch.Tensor, reduce_input: torch.Tensor, label: str) -> PendingReduceScatter:
+    """A compiled graph's reduce-scatter still in flight, handed over un-waited, as the eager runtime's
+    pending one; ``reduce_input`` is kept until the wait (the collective may read it until then)."""
+    return PendingReduceScatter(_FunctionalCollectiveWork(output), output, label, None, [reduce_input])
 
 
 def issue_reduce_scatter(

@@ -610,7 +610,36 @@ def _forward_reparametrized(
 # frame Dynamo ran eagerly: its eager hooks gather; a no-grad forward), a block's first backward (its
 # gather is learned then), the groups outside blocks. One that no backward took (a backward that
 # stops early) is let go as the next forward's first frame is entered, as a forward prefetch is.
-# Reduce-scatters stay in the block's graph, waited at its end.
+# The reduce-scatters are issued in the block's graph and waited after it ([Note: late reduce-scatter
+# wait across block frames]).
+#
+# [Note: late reduce-scatter wait across block frames]
+# A block frame's backward graph ends where the block's backward ends, so a reduce-scatter waited in
+# it overlaps only the rest of that block's backward: the block's bucket, issued after its last
+# gradient, hardly anything. FSDP2's eager backward waits on a block's reduce-scatter in the next
+# block's post-backward instead, and so do we. The traced reduction of a block frame's parameter
+# (all_gather_shard's autograd formula, given the parameter's ``late_gradient_sink``) returns no
+# gradient for the shard: it passes the reduced, divided and cast padded shard with the sink to
+# fsdp_compile::deliver_reduced_gradient, which writes it into the sharded ``.grad`` and runs the
+# post-accumulate-grad hooks (the eager copy-out, FSDPParamGroup.write_sharded_grads), and returns
+# the sink's gradient: zeros, one element, a graph output, so the call is never dead code. The sink
+# (a graph input) says whose gradient it is (param_group.owner_of_late_gradient_sink, by address),
+# so the graph still names no block. After bucketing and reordering, the post-grad pass
+# (passes/recompute.deliver_frame_reductions_late) replaces the wait, copy-out and deliveries of
+# each bucket whose reduced shard only its parameters' deliveries read with one
+# fsdp_compile::deliver_reduce_scatter_late(in flight, its input, sinks) at the graph's end. At run
+# time (state.deliver_gradients_late) that call first lands the reduce-scatters handed over before
+# it (the block after this one's: wait, copy-out, .grad, hooks, in FSDPParamGroup.finish_reduction,
+# the eager runtime's own), then holds its own as the group's reduction in flight, landed by the
+# next hand-over or when the backward ends (a callback queued on autograd's engine). So block i's
+# reduce-scatter runs while block i-1's backward computes; two are in flight at most, as in FSDP2.
+# The hand-over is the graph's last call because a collective's buffers may not be reused before its
+# wait, and Inductor knows only of waits in its graph: after the last call it allocates nothing;
+# the runtime keeps both buffers until the wait. Waited in the graph as before: HSDP (an all-reduce
+# follows), CommPolicy's gradient wire, tensor-parallel parameters, the groups outside blocks, a
+# bucket whose reduced shard something else reads, and any graph another backend compiles (there
+# the first call delivers where the graph computed the gradient). ``.grad`` is complete when
+# ``backward()`` returns, as before.
 _UNBOUNDED_REUSE = (
     {"max_reuse_entries": sys.maxsize} if "max_reuse_entries" in inspect.signature(torch.compiler.nested_compile_region).parameters else {}
 )

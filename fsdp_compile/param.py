@@ -111,6 +111,11 @@ class FSDPParam:
         self.staged_accumulated_grad: torch.Tensor | None = None
         # The same for the reduce-scattered sum awaiting its all-reduce ([Note: deferred all-reduce]).
         self.staged_deferred_all_reduce: torch.Tensor | None = None
+        # See [Note: late reduce-scatter wait across block frames] in module.py: the sink its block
+        # frame's graph hands its gradient over with, and the shard that graph reads, without the
+        # autograd edge to the parameter that would run its post-accumulate-grad hooks a second time.
+        self.late_gradient_sink = torch.zeros(1, device=self.device, requires_grad=True)
+        self.detached_sharded_param: torch.Tensor | None = None
         self.sharded_state = ShardedState.SHARDED
         self.register_everywhere(self.sharded_param)
 
@@ -532,6 +537,14 @@ class FSDPParam:
                 local = local.pin_memory()
             return local, False
         return grad._local_tensor, True
+
+    def refresh_detached_sharded_param(self) -> None:
+        """Eagerly, as its block frame is entered: ``detached_sharded_param`` shares the sharded
+        parameter's storage as it is now (a load, ``.data`` or a dtype change may have replaced it)."""
+        local = self.sharded_param._local_tensor
+        held = self.detached_sharded_param
+        if held is None or held._local_tensor.data_ptr() != local.data_ptr() or held._local_tensor.dtype != local.dtype or held.shape != self.sharded_param.shape:
+            self.detached_sharded_param = self.sharded_param.detach()
 
     def run_post_accumulate_grad_hooks(self) -> None:
         """``Tensor.register_post_accumulate_grad_hook`` hooks of the sharded parameter, as autograd

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from enum import Enum, auto
 from typing import Any, Callable
 
@@ -19,7 +20,21 @@ from fsdp_compile.kernels import ops, quantized, quantized_reference
 from fsdp_compile.mesh import MeshInfo, PostForwardMeshInfo
 from fsdp_compile.param import FSDPParam, ShardedState
 
-__all__ = ["TrainingState", "FSDPParamGroup"]
+__all__ = ["TrainingState", "FSDPParamGroup", "owner_of_late_gradient_sink"]
+
+# Each parameter's late_gradient_sink, by address: the group and parameter a block frame's backward
+# graph (one for every block of its structure) hands a reduced gradient for
+# ([Note: late reduce-scatter wait across block frames] in module.py).
+_owners_by_late_sink: "dict[int, tuple[weakref.ref[FSDPParamGroup], int]]" = {}
+
+
+def owner_of_late_gradient_sink(sink: torch.Tensor) -> "tuple[FSDPParamGroup, FSDPParam]":
+    """The group and parameter whose ``late_gradient_sink`` is ``sink``."""
+    reference, index = _owners_by_late_sink.get(sink.data_ptr(), (None, -1))
+    group = reference() if reference is not None else None
+    if group is None:
+        raise RuntimeError("fsdp_compile: a compiled backward handed over a gradient for a parameter no live fully_shard group owns")
+    return group, group.fsdp_params[index]
 
 
 def _eager_only(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -70,6 +85,7 @@ class FSDPParamGroup:
         self.comm_policy = comm_policy
         for index, fsdp_param in enumerate(fsdp_params):
             fsdp_param.index_in_group = index
+            _owners_by_late_sink[fsdp_param.late_gradient_sink.data_ptr()] = (weakref.ref(self), index)
         self.modules = modules
         self.label = label
         self.mesh_info = mesh_info
@@ -322,6 +338,13 @@ class FSDPParamGroup:
         self._reduction_in_flight = (pending, params)
         self.comm.reducing_groups.append(self)
 
+    def hold_reduction(self, params: list[FSDPParam], pending: collectives.PendingReduceScatter) -> None:
+        """Keep a reduce-scatter a compiled backward issued for ``params`` (this group's) until
+        ``finish_reduction``; see [Note: late reduce-scatter wait across block frames] in module.py."""
+        if self._reduction_in_flight is not None:
+            self.finish_reduction()
+        self._reduction_in_flight = (pending, params)
+
     def finish_reduction(self) -> None:
         """Wait for this group's reduce-scatter (and HSDP all-reduce) and write the sharded gradients."""
         assert self._reduction_in_flight is not None, f"group '{self.label}' has no reduction in flight"
@@ -351,6 +374,15 @@ class FSDPParamGroup:
             collectives.all_reduce_replicas(reduced, self.mesh_info.replicate_group, self.label)
         if self.all_reduce_hook is not None:
             self._run_all_reduce_hook(reduced)
+        self.write_sharded_grads(params, reduced, spec.post_divide, own)
+
+    def write_sharded_grads(
+        self, params: list[FSDPParam], reduced: torch.Tensor, post_divide: float, own: dict[str, Any] | None = None,
+    ) -> None:
+        """Write (or add) ``reduced``, the members' padded shards in order (or the gradient wire's rows),
+        divided by ``post_divide``, into ``params``' sharded gradients, then run their post-accumulate-grad hooks."""
+        own = own or {}
+        padded = [p.padded_shard_numel for p in params]
         outs, had_grad = zip(*(p.sharded_grad_out() for p in params))
         accumulate = any(had_grad)
         if accumulate and not all(had_grad):
@@ -367,9 +399,9 @@ class FSDPParamGroup:
         ]
         with torch.no_grad():
             if reduced.dim() == 2:  # the gradient wire's rows: sum in float32, divide, write, one op
-                quantized.sum_rows_copy_out(reduced, padded, targets, spec.post_divide, accumulate, **own)
+                quantized.sum_rows_copy_out(reduced, padded, targets, post_divide, accumulate, **own)
             else:
-                ops.reduce_scatter_copy_out(reduced, padded, targets, spec.post_divide, accumulate)
+                ops.reduce_scatter_copy_out(reduced, padded, targets, post_divide, accumulate)
             for fsdp_param, out, target in zip(params, outs, targets):
                 # Identity, not ``==``: a compare would fall back to elementwise tensor equality.
                 if target is not out:

@@ -24,9 +24,10 @@ from fsdp_compile import config
 from fsdp_compile.annotations import BLOCK_FRAME_TOKEN
 from fsdp_compile.api import BackwardPrefetch, MixedPrecisionPolicy
 from fsdp_compile.backend import traced_for_an_fsdp_backend, traced_in_a_callers_higher_order_op, traced_without_graph_breaks
+from fsdp_compile.collectives import pending_functional_reduce_scatter
 from fsdp_compile.comm_context import CommContext
 from fsdp_compile.graph_check import END_OF_FORWARD, block_frames_fingerprint, check_block_frames_match_across_ranks
-from fsdp_compile.param_group import FSDPParamGroup, TrainingState
+from fsdp_compile.param_group import FSDPParamGroup, TrainingState, owner_of_late_gradient_sink
 from fsdp_compile.structures import map_tensors, tensors_in
 from fsdp_compile.traceable import frame_prefetched_parameters, issue_frame_prefetch, trace_annotation, unshard_for_trace
 
@@ -98,6 +99,47 @@ def gather_in_frame_backward(
         state._frame_backward_pending = False
         state._prefetch_previous_frame_backward()
     return in_flight
+
+
+# Groups holding a reduce-scatter a block frame's backward graph handed over un-waited, oldest first,
+# and the backward (autograd graph task) whose end lands them all
+# ([Note: late reduce-scatter wait across block frames] in module.py).
+_late_reductions: "list[FSDPParamGroup]" = []
+_late_reductions_landed_at_end_of: list[int] = []
+
+
+def deliver_gradient_now(reduced: torch.Tensor, late_sink: torch.Tensor) -> None:
+    """``fsdp_compile::deliver_reduced_gradient``: one parameter's reduced, divided and cast padded
+    shard, written into its sharded ``.grad`` now."""
+    group, fsdp_param = owner_of_late_gradient_sink(late_sink)
+    group.write_sharded_grads([fsdp_param], reduced.reshape(-1).contiguous(), 1.0)
+
+
+def deliver_gradients_late(in_flight: torch.Tensor, reduce_input: torch.Tensor, late_sinks: list[torch.Tensor]) -> None:
+    """``fsdp_compile::deliver_reduce_scatter_late``: land the reduce-scatters handed over before (the
+    block after this one's), then hold this one until the next hand-over or the backward's end."""
+    owners = [owner_of_late_gradient_sink(sink) for sink in late_sinks]
+    group = owners[0][0]
+    if any(owner is not group for owner, _ in owners):
+        raise RuntimeError(f"fsdp_compile: a compiled backward handed over one reduce-scatter for the parameters of several groups ({group.label}, ...)")
+    land_late_reductions()
+    group.hold_reduction([fsdp_param for _, fsdp_param in owners], pending_functional_reduce_scatter(in_flight, reduce_input, group.label))
+    backward = torch._C._current_graph_task_id()
+    if backward == -1:  # not inside autograd's backward: nothing would land it later
+        group.finish_reduction()
+        return
+    _late_reductions.append(group)
+    if _late_reductions_landed_at_end_of != [backward]:
+        _late_reductions_landed_at_end_of[:] = [backward]
+        torch.autograd.Variable._execution_engine.queue_callback(land_late_reductions)
+
+
+def land_late_reductions() -> None:
+    """Wait on every reduce-scatter handed over and write its gradients, oldest first."""
+    while _late_reductions:
+        group = _late_reductions.pop(0)
+        if group._reduction_in_flight is not None:  # else a failed step let it go (reset_iter_state)
+            group.finish_reduction()
 
 
 def _frame_block_of(shards: list[torch.Tensor]) -> "tuple[FSDPState | None, tuple[int, ...] | None]":
@@ -567,6 +609,9 @@ class FSDPState:
         # first of its groups Dynamo meets (no graph admitted the root's yet) and runs the frame eagerly.
         root.runs_compiled = True
         root._check_frames_entered_across_ranks(self.label)
+        if self.group is not None:
+            for fsdp_param in self.group.fsdp_params:
+                fsdp_param.refresh_detached_sharded_param()
         self._learn_frame_order()
         self._prefetch_frame_gathers()
         if self.takes_prefetched_frame_gathers():
@@ -658,8 +703,13 @@ class FSDPState:
         else:
             group_name, token = group.label, self.trace_token
         prefetched_gathers = self.traced_frame_prefetch()
+        delivers_late = self.compiles_as_frame and group.requires_gradient_sync and not hybrid and spec.wire_dtype is None
         unsharded = []
         for fsdp_param in fsdp_params:
+            late = (
+                delivers_late and fsdp_param.tensor_parallel is None and fsdp_param.sharded_param.requires_grad
+                and fsdp_param.detached_sharded_param is not None
+            )
             accumulated = deferred = None
             if takes_sums:
                 accumulated = fsdp_param.staged_accumulated_grad
@@ -672,11 +722,12 @@ class FSDPState:
                 if deferred is None:
                     deferred = fsdp_param.pop_deferred_all_reduce()
             unsharded.append(unshard_for_trace(
-                fsdp_param.sharded_param, fsdp_param.layout, fsdp_param.param_dtype, spec,
+                fsdp_param.detached_sharded_param if late else fsdp_param.sharded_param, fsdp_param.layout, fsdp_param.param_dtype, spec,
                 trace_annotation(group_name, fsdp_param.fqn, reshards, token), fsdp_param.accumulation_sink,
                 group.requires_gradient_sync, accumulated, deferred,
                 fsdp_param.deferred_all_reduce_sink if sinks_deferred else None, quantize, fsdp_param.tensor_parallel,
                 None if prefetched_gathers is None else prefetched_gathers[fsdp_param.index_in_group],
+                fsdp_param.late_gradient_sink if late else None,
             ))
         return unsharded
 

@@ -153,7 +153,7 @@ _ALL_GATHER_SHARD_SCHEMA = (
     "(Tensor padded_shard, Tensor? accumulated, Tensor? deferred, Tensor? deferred_sink, ScalarType param_dtype, "
     "ScalarType reduce_dtype, ScalarType grad_dtype, float pre_divide, float post_divide, int shard_size, "
     "ScalarType? wire_dtype, ScalarType? quantize_dtype, int quantize_block_size, str shard_group_name, "
-    "str? replicate_group_name, Tensor? prefetched=None) -> Tensor"
+    "str? replicate_group_name, Tensor? prefetched=None, Tensor? late_sink=None) -> Tensor"
 )
 
 
@@ -162,10 +162,12 @@ def _all_gather_shard_forward(
     deferred_sink: torch.Tensor | None, param_dtype: torch.dtype, reduce_dtype: torch.dtype, grad_dtype: torch.dtype,
     pre_divide: float, post_divide: float, shard_size: int, wire_dtype: torch.dtype | None,
     quantize_dtype: torch.dtype | None, quantize_block_size: int, shard_group_name: str, replicate_group_name: str | None,
-    prefetched: torch.Tensor | None = None,
+    prefetched: torch.Tensor | None = None, late_sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Padded local shard (orig dtype, dim-0 view) -> gathered [world * chunk, ...] in param_dtype;
-    ``prefetched``: what a prefetch gathered from this shard ([Note: prefetch across block frames])."""
+    ``prefetched``: what a prefetch gathered from this shard ([Note: prefetch across block frames]);
+    ``late_sink``: the parameter's ``late_gradient_sink``, given where its reduced gradient goes to
+    the runtime rather than out of the graph ([Note: late reduce-scatter wait across block frames])."""
     if prefetched is not None:
         return torch.ops.fsdp_compile.prefetched_gather(prefetched, padded_shard, param_dtype, shard_size, shard_group_name)
     quantize = None if quantize_dtype is None else (quantize_dtype, quantize_block_size)
@@ -186,10 +188,11 @@ def _all_gather_shard_shape(padded_shard: torch.Tensor, accumulated: object, def
 
 def _save_reduction(ctx, inputs: tuple, output: torch.Tensor) -> None:
     (_, accumulated, deferred, deferred_sink, _, ctx.reduce_dtype, ctx.grad_dtype, ctx.pre_divide, ctx.post_divide,
-     ctx.shard_size, ctx.wire_dtype, _, _, ctx.shard_group_name, ctx.replicate_group_name, _) = inputs
+     ctx.shard_size, ctx.wire_dtype, _, _, ctx.shard_group_name, ctx.replicate_group_name, _, late_sink) = inputs
     ctx.has_accumulated, ctx.has_deferred = accumulated is not None, deferred is not None
     ctx.defers_all_reduce = deferred_sink is not None
-    ctx.save_for_backward(*(t for t in (accumulated, deferred) if t is not None))
+    ctx.delivers_late = late_sink is not None
+    ctx.save_for_backward(*(t for t in (accumulated, deferred, late_sink) if t is not None))
 
 
 def _reduce_gathered_grad(ctx, grad: torch.Tensor) -> tuple:
@@ -218,11 +221,14 @@ def _reduce_gathered_grad(ctx, grad: torch.Tensor) -> tuple:
         if ctx.has_deferred:
             reduced = reduced + saved.pop(0)
         if ctx.defers_all_reduce:
-            return None, None, None, reduced, *no_grads
+            return None, None, None, reduced, *no_grads, None
         reduced = _functional.wait_tensor(_functional.all_reduce(reduced, "sum", ctx.replicate_group_name))
     if ctx.post_divide != 1.0:
         reduced = reduced / ctx.post_divide
-    return reduced.to(ctx.grad_dtype), None, None, None, *no_grads
+    if ctx.delivers_late:
+        late_sink = saved.pop(0)
+        return None, None, None, None, *no_grads, torch.ops.fsdp_compile.deliver_reduced_gradient(reduced.to(ctx.grad_dtype), late_sink)
+    return reduced.to(ctx.grad_dtype), None, None, None, *no_grads, None
 
 
 _all_gather_shard.register_autograd(_reduce_gathered_grad, setup_context=_save_reduction)
@@ -250,7 +256,7 @@ def unshard_for_trace(
     sink: torch.Tensor, requires_gradient_sync: bool, accumulated: torch.Tensor | None,
     deferred: torch.Tensor | None = None, deferred_sink: torch.Tensor | None = None,
     quantize: tuple[torch.dtype, int] | None = None, tensor_parallel: "TensorParallelLayout | None" = None,
-    prefetched: torch.Tensor | None = None,
+    prefetched: torch.Tensor | None = None, late_sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The full parameter from its sharded DTensor, as traceable functional collectives.
 
@@ -265,10 +271,12 @@ def unshard_for_trace(
     rank's TP piece, returned as the user's DTensor, whose operations trace TP's own collectives.
     ``prefetched``: the gathered parameter a prefetch all-gathered (``frame_prefetched_parameters``),
     read in place of this graph's own all-gather ([Note: prefetch across block frames] in module.py).
+    ``late_sink``: the parameter's ``late_gradient_sink`` where its reduced gradient is handed to the
+    runtime, not returned ([Note: late reduce-scatter wait across block frames] in module.py).
     """
     full = _unshard_local(
         sharded, layout, param_dtype, spec, annotation, sink, requires_gradient_sync, accumulated, deferred, deferred_sink,
-        quantize, prefetched,
+        quantize, prefetched, late_sink,
     )
     return full if tensor_parallel is None else tensor_parallel.unsharded(full)
 
@@ -307,6 +315,42 @@ def _frame_backward_all_gather_shape(
     return shards[0].new_empty((shard_size * sum(padded_numels),), dtype=param_dtype)
 
 
+@torch.library.custom_op("fsdp_compile::deliver_reduced_gradient", mutates_args=())
+def deliver_reduced_gradient(reduced: torch.Tensor, late_sink: torch.Tensor) -> torch.Tensor:
+    """In a block frame's backward graph: write one parameter's reduced gradient (its padded shard in
+    the dim-0 view, divided and cast) into its sharded ``.grad``, as autograd would, and return the
+    sink's gradient (zeros). The graph's own form; the post-grad pass makes a bucket's deliveries
+    late (``deliver_reduce_scatter_late``). See [Note: late reduce-scatter wait across block frames]
+    in module.py."""
+    from fsdp_compile.state import deliver_gradient_now
+
+    deliver_gradient_now(reduced, late_sink)
+    return torch.zeros_like(late_sink)
+
+
+@deliver_reduced_gradient.register_fake
+def _deliver_reduced_gradient_shape(reduced: torch.Tensor, late_sink: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(late_sink)
+
+
+@torch.library.custom_op("fsdp_compile::deliver_reduce_scatter_late", mutates_args=())
+def deliver_reduce_scatter_late(in_flight: torch.Tensor, reduce_input: torch.Tensor, late_sinks: list[torch.Tensor]) -> torch.Tensor:
+    """At the end of a block frame's backward graph: hand a bucket's reduce-scatter, still in flight,
+    to the runtime, which waits on it and writes the sinks' parameters' gradients once the next
+    block's backward hands over its own (or the backward ends). ``reduce_input`` is kept alive until
+    then. Returns the sinks' gradient (zeros). See [Note: late reduce-scatter wait across block
+    frames] in module.py."""
+    from fsdp_compile.state import deliver_gradients_late
+
+    deliver_gradients_late(in_flight, reduce_input, late_sinks)
+    return torch.zeros_like(late_sinks[0])
+
+
+@deliver_reduce_scatter_late.register_fake
+def _deliver_reduce_scatter_late_shape(in_flight: torch.Tensor, reduce_input: torch.Tensor, late_sinks: list[torch.Tensor]) -> torch.Tensor:
+    return torch.empty_like(late_sinks[0])
+
+
 def frame_prefetched_parameters(in_flight: torch.Tensor, layouts: list[ShardLayout], shard_size: int) -> list[torch.Tensor]:
     """Traced in the block frame: wait on ``issue_frame_prefetch``'s all-gather and copy each
     parameter's rows out (one extern copy-out, as a bucket's: [Note: one copy-in and one copy-out per
@@ -329,7 +373,7 @@ def _unshard_local(
     sharded: torch.Tensor, layout: ShardLayout, param_dtype: torch.dtype, spec: ReduceSpec, annotation: dict[str, object],
     sink: torch.Tensor, requires_gradient_sync: bool, accumulated: torch.Tensor | None,
     deferred: torch.Tensor | None, deferred_sink: torch.Tensor | None, quantize: tuple[torch.dtype, int] | None,
-    prefetched: torch.Tensor | None,
+    prefetched: torch.Tensor | None, late_sink: torch.Tensor | None,
 ) -> torch.Tensor:
     with fx_traceback.annotate(annotation):
         local = layout.to_dim0(sharded.to_local())
@@ -349,7 +393,7 @@ def _unshard_local(
         gathered = torch.ops.fsdp_compile.all_gather_shard(
             padded, accumulated, deferred, deferred_sink, param_dtype, spec.reduce_dtype, spec.grad_dtype, spec.pre_divide,
             spec.post_divide, spec.shard_size, spec.wire_dtype, quantize_dtype, quantize_block_size, spec.shard_group_name,
-            spec.replicate_group_name, prefetched,
+            spec.replicate_group_name, prefetched, late_sink,
         )
         return layout.full_from_gathered(gathered)
 

@@ -27,7 +27,9 @@ def apply_post_grad_passes(gm: fx.GraphModule, config) -> fx.GraphModule:
     from fsdp_compile.passes.bucket import bucket_collectives
     from fsdp_compile.passes.dump import dump_graph
     from fsdp_compile.passes.graph import graph_kind
-    from fsdp_compile.passes.recompute import erase_unread_gathers, gather_frame_backward_through_prefetch, read_prefetched_gathers
+    from fsdp_compile.passes.recompute import (
+        deliver_frame_reductions_late, erase_unread_gathers, gather_frame_backward_through_prefetch, read_prefetched_gathers,
+    )
     from fsdp_compile.passes.reorder import reorder_collectives
 
     config = config.resolved()
@@ -47,4 +49,9 @@ def apply_post_grad_passes(gm: fx.GraphModule, config) -> fx.GraphModule:
         gm.graph.lint()
         gm.recompile()
         dump_graph(gm, kind, "3-after-frame-prefetch", config)
+    # [Note: late reduce-scatter wait across block frames] in fsdp_compile/module.py.
+    if kind == "backward" and deliver_frame_reductions_late(gm.graph):
+        gm.graph.lint()
+        gm.recompile()
+        dump_graph(gm, kind, "4-after-late-delivery", config)
     return gm

@@ -31,7 +31,7 @@ __all__ = [
     "FSDP_ANNOTATION_KEY", "GROUP_KEY", "PARAM_KEY", "RESHARD_AFTER_FORWARD_KEY", "STATE_KEY", "BUCKET_KEY", "GROUPS_KEY", "PARAMS_KEY",
     "BLOCK_FRAME_TOKEN",
     "ALL_GATHER", "REDUCE_SCATTER", "ALL_REDUCE", "WAIT", "COLLECTIVES", "GRADIENT_REDUCTIONS", "COLLECTIVE_NAMES", "FORCE_STRIDE", "COPY_IN", "COPY_OUT",
-    "collective_nodes", "single_wait", "new_node", "node_value", "erase_unused_chain", "PREFETCHED_GATHER", "FRAME_BACKWARD_GATHER", "fsdp_annotation", "is_tangent", "graph_kind", "is_view", "is_copy",
+    "collective_nodes", "single_wait", "new_node", "node_value", "erase_unused_chain", "PREFETCHED_GATHER", "FRAME_BACKWARD_GATHER", "DELIVER_GRADIENT", "DELIVER_REDUCE_SCATTER_LATE", "fsdp_annotation", "is_tangent", "graph_kind", "is_view", "is_copy",
     "tensor_bytes", "collective_bytes", "inflight_collectives", "inflight_bytes", "max_inflight_bytes",
     "pass_counters", "give_up",
 ]
@@ -47,6 +47,10 @@ WAIT = _c10d.wait_tensor.default
 PREFETCHED_GATHER = torch.ops.fsdp_compile.prefetched_gather.default
 # A block frame's backward all-gather that takes (and issues) prefetches across frames (traceable.py).
 FRAME_BACKWARD_GATHER = torch.ops.fsdp_compile.frame_backward_all_gather.default
+# A block frame's reduced gradient handed to the runtime, as the graph traces it, and as the post-grad
+# pass leaves a bucket's reduce-scatter, in flight (traceable.py).
+DELIVER_GRADIENT = torch.ops.fsdp_compile.deliver_reduced_gradient.default
+DELIVER_REDUCE_SCATTER_LATE = torch.ops.fsdp_compile.deliver_reduce_scatter_late.default
 COLLECTIVES = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, ALL_TO_ALL)  # what issues work that a WAIT completes
 # The reductions of gradients: a reduce-scatter, or CommPolicy's low-precision wire (an all-to-all
 # whose received chunks each rank sums); both issue after their bucket's last gradient.

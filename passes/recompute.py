@@ -24,13 +24,13 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from fsdp_compile.passes.graph import (
-    ALL_GATHER, BLOCK_FRAME_TOKEN, COPY_IN, FRAME_BACKWARD_GATHER, PARAM_KEY, PREFETCHED_GATHER, RESHARD_AFTER_FORWARD_KEY, STATE_KEY, WAIT,
-    erase_unused_chain, fsdp_annotation, give_up, is_tangent, is_view, new_node, node_value,
+    ALL_GATHER, BLOCK_FRAME_TOKEN, COPY_IN, DELIVER_GRADIENT, DELIVER_REDUCE_SCATTER_LATE, FRAME_BACKWARD_GATHER, PARAM_KEY, REDUCE_SCATTER, PREFETCHED_GATHER, RESHARD_AFTER_FORWARD_KEY, STATE_KEY, WAIT,
+    erase_unused_chain, fsdp_annotation, give_up, is_tangent, is_view, new_node, node_value, single_wait,
 )
 
 __all__ = [
     "tag_reshard_after_forward_for_recompute", "read_region_saved_inputs_directly", "read_prefetched_gathers", "erase_unread_gathers",
-    "gather_frame_backward_through_prefetch",
+    "gather_frame_backward_through_prefetch", "deliver_frame_reductions_late",
 ]
 
 # One id for every tagged region: consecutive tagged nodes never force a save between them.
@@ -207,6 +207,92 @@ def gather_frame_backward_through_prefetch(graph: fx.Graph) -> int:
         erase_unused_chain(graph, sent)  # the copy-in (or the pad and cast) the call does now
         rewritten += 1
     return rewritten
+
+
+# What may lie between a block frame's reduce-scatter wait and a parameter's delivered gradient: its
+# columns of the bucket (a dim-0 slice), its shape, the gradient's divide and cast, all of which the
+# runtime's copy-out does again ([Note: late reduce-scatter wait across block frames] in module.py).
+_DELIVERY_STEPS = (
+    torch.ops.aten.slice.Tensor, torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.div.Tensor, torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default,
+)
+
+
+def _delivered_members(wait: fx.Node) -> list[tuple[int, int, fx.Node]] | None:
+    """``(offset, numel, deliver node)`` for every parameter delivered from ``wait``'s result, in
+    offset order and covering it whole; None if anything else reads it."""
+    total = node_value(wait).numel()
+    members, frontier, seen = [], [(wait, 0, total)], set()
+    while frontier:
+        node, offset, numel = frontier.pop()
+        for user in node.users:
+            if user in seen:
+                return None  # two paths meet: not a plain chain
+            seen.add(user)
+            if user.target is DELIVER_GRADIENT and user.args[0] is node:
+                members.append((offset, numel, user))
+            elif user.target not in _DELIVERY_STEPS or len(user.all_input_nodes) != 1:
+                return None
+            elif user.target is torch.ops.aten.slice.Tensor:
+                if node is not wait or user.args[1] != 0 or len(user.args) > 4:
+                    return None
+                start, end = user.args[2], min(user.args[3], total)
+                frontier.append((user, start, end - start))
+            else:
+                frontier.append((user, offset, numel))
+    members.sort(key=lambda member: member[0])
+    covered = 0
+    for offset, numel, _ in members:
+        if offset != covered:
+            return None
+        covered += numel
+    return members if members and covered == total else None
+
+
+def deliver_frame_reductions_late(graph: fx.Graph) -> int:
+    """See [Note: late reduce-scatter wait across block frames] in fsdp_compile/module.py: in a block
+    frame's backward graph (post-grad, bucketed and reordered), a bucket's reduce-scatter whose
+    result only goes to its parameters' deliveries leaves the graph in flight, handed to the runtime
+    at the graph's end; the wait, the copy-out and the deliveries go::
+
+        before:  grads -> reduce_scatter -> wait -> slice/view/div/cast -> deliver_reduced_gradient(g_i, sink_i)
+        after:   grads -> reduce_scatter -> ... -> deliver_reduce_scatter_late(in flight, its input, [sink_i])
+
+    Returns how many were rewritten."""
+    output = next(iter(graph.find_nodes(op="output")))
+    rewritten = 0
+    for reduce_scatter in list(graph.find_nodes(op="call_function", target=REDUCE_SCATTER)):
+        annotation = fsdp_annotation(reduce_scatter)
+        wait = single_wait(reduce_scatter)
+        if annotation is None or annotation.get(STATE_KEY) != BLOCK_FRAME_TOKEN or wait is None:
+            continue
+        members = _delivered_members(wait)
+        if members is None:
+            if not any(_reads_from(deliver, wait) for deliver in graph.find_nodes(op="call_function", target=DELIVER_GRADIENT)):
+                continue  # not a delivering group's (HSDP, the gradient wire, tensor parallelism)
+            give_up("deliver_late", "the reduce-scatter %s is read other than by its parameters' deliveries; waited in the graph", reduce_scatter.name)
+            continue
+        sinks = [deliver.args[1] for _, _, deliver in members]
+        with graph.inserting_before(output):
+            handed = new_node(graph, DELIVER_REDUCE_SCATTER_LATE, (reduce_scatter, reduce_scatter.args[0], sinks), annotation)
+        chain = [node for node in graph.nodes if node is not wait and _reads_from(node, wait)]
+        for _, _, deliver in members:
+            deliver.replace_all_uses_with(handed)
+        for node in reversed(chain):
+            graph.erase_node(node)
+        graph.erase_node(wait)
+        rewritten += 1
+    return rewritten
+
+
+def _reads_from(node: fx.Node, source: fx.Node) -> bool:
+    """Whether ``node`` is computed from ``source`` (``_delivered_members``' chains: one input each)."""
+    while node is not source:
+        inputs = node.all_input_nodes if node.target is not DELIVER_GRADIENT else node.args[:1]
+        if len(inputs) != 1 or not isinstance(inputs[0], fx.Node):
+            return False
+        node = inputs[0]
+    return True
 
 
 def erase_unread_gathers(graph: fx.Graph) -> int:

@@ -18,7 +18,8 @@ from benchmarks.measure import count_collectives
 from fsdp_compile import MixedPrecisionPolicy
 from fsdp_compile.backend import observe_graphs
 from fsdp_compile.models import Transformer, TransformerBlock, TransformerConfig
-from fsdp_compile.passes.graph import ALL_GATHER, FRAME_BACKWARD_GATHER, GROUP_KEY, REDUCE_SCATTER, WAIT, fsdp_annotation
+from fsdp_compile.param_group import FSDPParamGroup
+from fsdp_compile.passes.graph import ALL_GATHER, DELIVER_REDUCE_SCATTER_LATE, FRAME_BACKWARD_GATHER, GROUP_KEY, REDUCE_SCATTER, WAIT, fsdp_annotation
 from fsdp_compile.state import FSDPState, block_frame_in_trace
 from torch.utils.checkpoint import checkpoint
 from fsdp_testing import blocks_as_frames
@@ -370,6 +371,73 @@ def test_backward_prefetch_follows_the_blocks_again_after_a_step_that_skipped_on
     events = dist.run(2, _backward_gathers_after_a_step_that_skips_a_block)[0]
     labels = ["layers.0", "layers.1", "layers.2"]
     assert events == _backward_prefetch_chain(labels)[len(labels):], events
+
+
+@contextlib.contextmanager
+def _reductions_handed_over():
+    """In backward, each block frame's all-gather as its graph asks for it, each reduce-scatter a
+    block frame's graph hands over in flight, and each landed into its gradients."""
+    take, hold, finish = FSDPState._take_backward_prefetch, FSDPParamGroup.hold_reduction, FSDPParamGroup.finish_reduction
+    events: list[tuple[str, str]] = []
+
+    def taken(state: FSDPState, shards: list[torch.Tensor]) -> torch.Tensor | None:
+        events.append(("gathers", state.label))
+        return take(state, shards)
+
+    def held(group: FSDPParamGroup, params, pending) -> None:
+        events.append(("hands over", group.label))
+        hold(group, params, pending)
+
+    def landed(group: FSDPParamGroup) -> None:
+        events.append(("lands", group.label))
+        finish(group)
+
+    FSDPState._take_backward_prefetch, FSDPParamGroup.hold_reduction, FSDPParamGroup.finish_reduction = taken, held, landed
+    try:
+        yield events
+    finally:
+        FSDPState._take_backward_prefetch, FSDPParamGroup.hold_reduction, FSDPParamGroup.finish_reduction = take, hold, finish
+
+
+def _late_reduce_scatter_waits():
+    torch._dynamo.reset()
+    reference = _model(3)
+    eager, compiled = _shard(copy.deepcopy(reference), MixedPrecisionPolicy()), _shard(copy.deepcopy(reference), MixedPrecisionPolicy())
+    tokens = _tokens(2, 12, seed=torch.distributed.get_rank())
+    with blocks_as_frames(), observe_graphs() as graphs, _reductions_handed_over() as events:
+        runner = torch.compile(compiled, backend="fsdp_inductor")
+        for _ in range(2):  # the second backward: each block's gather learned, prefetches taken
+            compiled.zero_grad()
+            del events[:]
+            runner(tokens).float().logsumexp(-1).mean().backward()
+            grads_when_backward_returned = [p.grad is not None for p in compiled.parameters()]
+    eager(tokens).float().logsumexp(-1).mean().backward()
+    frame_backwards = [g for kind, g in graphs if kind == "backward" and FRAME in _groups_reduced(g)]
+    return {
+        "events": events,
+        "grads_when_backward_returned": grads_when_backward_returned,
+        "grad_gap": max((a.grad.full_tensor() - b.grad.full_tensor()).abs().max().item() for a, b in zip(eager.parameters(), compiled.parameters())),
+        # In a block frame's backward graph: no wait on a reduce-scatter; the hand-over its last call.
+        "frame_backwards_wait_on_reductions": [any(n.target is WAIT and n.args[0].target is REDUCE_SCATTER for n in g.graph.nodes) for g in frame_backwards],
+        "frame_backwards_end_with_hand_over": [list(g.graph.nodes)[-2].target is DELIVER_REDUCE_SCATTER_LATE for g in frame_backwards],
+    }
+
+
+def test_a_blocks_reduce_scatter_is_waited_in_the_next_blocks_backward_after_its_graph_ended(dist):
+    # [Note: late reduce-scatter wait across block frames]: layers.2's reduce-scatter is landed in
+    # layers.1's backward (after that block's gather at its graph's start), and so on; the last one
+    # when the backward ends, before backward() returns.
+    result = dist.run(2, _late_reduce_scatter_waits)[0]
+    assert result["events"] == [
+        ("gathers", "layers.2"), ("hands over", "layers.2"),
+        ("gathers", "layers.1"), ("lands", "layers.2"), ("hands over", "layers.1"),
+        ("gathers", "layers.0"), ("lands", "layers.1"), ("hands over", "layers.0"),
+        ("lands", "layers.0"),
+    ], result
+    assert all(result["grads_when_backward_returned"]), result
+    assert result["frame_backwards_wait_on_reductions"] == [False], result
+    assert result["frame_backwards_end_with_hand_over"] == [True], result
+    assert result["grad_gap"] < 1e-5, result
 
 
 # --- steady state ---------------------------------------------------------------------------------
