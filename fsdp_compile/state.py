@@ -101,11 +101,17 @@ def gather_in_frame_backward(
     return in_flight
 
 
-# Groups holding a reduce-scatter a block frame's backward graph handed over un-waited, oldest first,
-# and the backward (autograd graph task) whose end lands them all
-# ([Note: late reduce-scatter wait across block frames] in module.py).
-_late_reductions: "list[FSDPParamGroup]" = []
-_late_reductions_landed_at_end_of: list[int] = []
+class _HandedOverReductions:
+    """The groups holding a reduce-scatter a block frame's backward graph handed over in flight, oldest
+    first, and the backward (autograd graph task) whose end lands them ([Note: late reduce-scatter
+    wait across block frames] in module.py)."""
+
+    def __init__(self) -> None:
+        self.groups: list[FSDPParamGroup] = []
+        self.landed_at_end_of_backward: int | None = None
+
+
+_handed_over = _HandedOverReductions()
 
 
 def deliver_gradient_now(reduced: torch.Tensor, late_sink: torch.Tensor) -> None:
@@ -128,16 +134,16 @@ def deliver_gradients_late(in_flight: torch.Tensor, reduce_input: torch.Tensor, 
     if backward == -1:  # not inside autograd's backward: nothing would land it later
         group.finish_reduction()
         return
-    _late_reductions.append(group)
-    if _late_reductions_landed_at_end_of != [backward]:
-        _late_reductions_landed_at_end_of[:] = [backward]
+    _handed_over.groups.append(group)
+    if _handed_over.landed_at_end_of_backward != backward:
+        _handed_over.landed_at_end_of_backward = backward
         torch.autograd.Variable._execution_engine.queue_callback(land_late_reductions)
 
 
 def land_late_reductions() -> None:
     """Wait on every reduce-scatter handed over and write its gradients, oldest first."""
-    while _late_reductions:
-        group = _late_reductions.pop(0)
+    while _handed_over.groups:
+        group = _handed_over.groups.pop(0)
         if group._reduction_in_flight is not None:  # else a failed step let it go (reset_iter_state)
             group.finish_reduction()
 
