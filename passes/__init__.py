@@ -5,7 +5,8 @@ Each pass is a pure function ``(GraphModule, PassConfig) -> GraphModule`` (DESIG
 - ``recompute.py`` (joint graph): resharding groups re-all-gather in backward.
 - ``bucket.py`` (post-grad): one all-gather / reduce-scatter per ``fully_shard`` group.
 - ``reorder.py`` (post-grad): prefetch all-gathers, wait late, under an in-flight byte budget; then
-  a block frame's backward all-gather takes the prefetch across frames (``recompute.py``).
+  a block frame's backward all-gather takes the prefetch across frames, and its reduce-scatters
+  leave the graph in flight, waited in the next block's backward (``recompute.py``).
 - ``dump.py``: ``FSDP_COMPILE_DUMP=dir`` writes graphs and timelines around each pass.
 - ``graph.py``: what they share: collective ops, the FSDP annotation, graph kind, views, bytes in
   flight, and the counter of passes that gave up.

@@ -24,7 +24,8 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from fsdp_compile.passes.graph import (
-    ALL_GATHER, BLOCK_FRAME_TOKEN, COPY_IN, DELIVER_GRADIENT, DELIVER_REDUCE_SCATTER_LATE, FRAME_BACKWARD_GATHER, PARAM_KEY, REDUCE_SCATTER, PREFETCHED_GATHER, RESHARD_AFTER_FORWARD_KEY, STATE_KEY, WAIT,
+    ALL_GATHER, BLOCK_FRAME_TOKEN, COPY_IN, DELIVER_GRADIENT, DELIVER_REDUCE_SCATTER_LATE, FRAME_BACKWARD_GATHER, PARAM_KEY, PREFETCHED_GATHER,
+    REDUCE_SCATTER, RESHARD_AFTER_FORWARD_KEY, STATE_KEY, WAIT,
     erase_unused_chain, fsdp_annotation, give_up, is_tangent, is_view, new_node, node_value, single_wait,
 )
 
