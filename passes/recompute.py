@@ -219,35 +219,37 @@ _DELIVERY_STEPS = (
 )
 
 
-def _delivered_members(wait: fx.Node) -> list[tuple[int, int, fx.Node]] | None:
-    """``(offset, numel, deliver node)`` for every parameter delivered from ``wait``'s result, in
-    offset order and covering it whole; None if anything else reads it."""
+def _delivery_chain(wait: fx.Node) -> tuple[list[tuple[int, int, fx.Node]], list[fx.Node], bool]:
+    """What reads ``wait``'s result through one-input nodes: ``(offset, numel, deliver node)`` for each
+    parameter delivered, in offset order; every node met, in the order met; and whether they are
+    plain delivery steps that cover the result whole (the rewrite's condition)."""
     total = node_value(wait).numel()
-    members, frontier, seen = [], [(wait, 0, total)], set()
+    members, met, frontier, plain = [], [], [(wait, 0, total)], True
     while frontier:
         node, offset, numel = frontier.pop()
         for user in node.users:
-            if user in seen:
-                return None  # two paths meet: not a plain chain
-            seen.add(user)
+            if user in met:
+                plain = False  # two paths meet: not a plain chain
+                continue
+            met.append(user)
             if user.target is DELIVER_GRADIENT and user.args[0] is node:
                 members.append((offset, numel, user))
-            elif user.target not in _DELIVERY_STEPS or len(user.all_input_nodes) != 1:
-                return None
-            elif user.target is torch.ops.aten.slice.Tensor:
-                if node is not wait or user.args[1] != 0 or len(user.args) > 4:
-                    return None
+                continue
+            if len(user.all_input_nodes) != 1:
+                plain = False
+                continue
+            if user.target is torch.ops.aten.slice.Tensor and node is wait and user.args[1] == 0 and len(user.args) <= 4:
                 start, end = user.args[2], min(user.args[3], total)
                 frontier.append((user, start, end - start))
-            else:
-                frontier.append((user, offset, numel))
+                continue
+            plain = plain and user.target in _DELIVERY_STEPS and user.target is not torch.ops.aten.slice.Tensor
+            frontier.append((user, offset, numel))
     members.sort(key=lambda member: member[0])
     covered = 0
     for offset, numel, _ in members:
-        if offset != covered:
-            return None
+        plain = plain and offset == covered
         covered += numel
-    return members if members and covered == total else None
+    return members, met, plain and covered == total
 
 
 def deliver_frame_reductions_late(graph: fx.Graph) -> int:
@@ -267,33 +269,22 @@ def deliver_frame_reductions_late(graph: fx.Graph) -> int:
         wait = single_wait(reduce_scatter)
         if annotation is None or annotation.get(STATE_KEY) != BLOCK_FRAME_TOKEN or wait is None:
             continue
-        members = _delivered_members(wait)
-        if members is None:
-            if not any(_reads_from(deliver, wait) for deliver in graph.find_nodes(op="call_function", target=DELIVER_GRADIENT)):
-                continue  # not a delivering group's (HSDP, the gradient wire, tensor parallelism)
+        members, chain, plain = _delivery_chain(wait)
+        if not members:
+            continue  # not a delivering group's (HSDP, the gradient wire, tensor parallelism)
+        if not plain:
             give_up("deliver_late", "the reduce-scatter %s is read other than by its parameters' deliveries; waited in the graph", reduce_scatter.name)
             continue
         sinks = [deliver.args[1] for _, _, deliver in members]
         with graph.inserting_before(output):
             handed = new_node(graph, DELIVER_REDUCE_SCATTER_LATE, (reduce_scatter, reduce_scatter.args[0], sinks), annotation)
-        chain = [node for node in graph.nodes if node is not wait and _reads_from(node, wait)]
         for _, _, deliver in members:
             deliver.replace_all_uses_with(handed)
-        for node in reversed(chain):
+        for node in reversed(chain):  # met after what it reads: readers go first
             graph.erase_node(node)
         graph.erase_node(wait)
         rewritten += 1
     return rewritten
-
-
-def _reads_from(node: fx.Node, source: fx.Node) -> bool:
-    """Whether ``node`` is computed from ``source`` (``_delivered_members``' chains: one input each)."""
-    while node is not source:
-        inputs = node.all_input_nodes if node.target is not DELIVER_GRADIENT else node.args[:1]
-        if len(inputs) != 1 or not isinstance(inputs[0], fx.Node):
-            return False
-        node = inputs[0]
-    return True
 
 
 def erase_unread_gathers(graph: fx.Graph) -> int:
