@@ -142,6 +142,20 @@ CASES.append(pytest.param(torch.float32, torch.bfloat16, 100, [3], id="100params
 CASES.append(pytest.param(torch.float32, torch.float16, 100, [4], id="100params-fp32-fp16"))
 
 
+def with_scalings(scalings_of_one_parameter: list[tuple], scaling_of_a_hundred: dict[str, tuple]) -> list:
+    """CASES crossed with a reduce-scatter kernel's divisor (and accumulate) settings: every setting on
+    the 1-parameter groups, at every world size; one setting per 100-parameter group (each setting
+    on one narrowing pair), whose interpreted launches cost seconds each and whose extra coverage is
+    the multi-parameter layout, not the arithmetic."""
+    crossed = []
+    for case in CASES:
+        case_id = case.id
+        settings = [scaling_of_a_hundred[case_id]] if case_id in scaling_of_a_hundred else scalings_of_one_parameter
+        for setting in settings:
+            crossed.append(pytest.param(*case.values, *setting, id="-".join([case_id, *map(str, setting)])))
+    return crossed
+
+
 def make_group(count: int, world: int, seed: int):
     """Shapes and padded per-rank sizes; a 1-parameter group alternates a (1,) parameter and a larger one."""
     rng = random.Random(seed)
@@ -294,8 +308,10 @@ def test_triton_all_gather_copy_out_equals_reference(interpreted, src, dst, coun
             assert_same_bits(a, b, nan_payloads=src == dst)
 
 
-@pytest.mark.parametrize("pre_divide", [1.0, 3.0])
-@pytest.mark.parametrize("src, dst, count, worlds", CASES)
+@pytest.mark.parametrize(
+    "src, dst, count, worlds, pre_divide",
+    with_scalings([(1.0,), (3.0,)], {"100params-fp32-bf16": (1.0,), "100params-fp32-fp16": (3.0,)}),
+)
 def test_triton_reduce_scatter_copy_in_equals_reference(interpreted, src, dst, count, worlds, pre_divide):
     for world in worlds:
         gen = torch.Generator().manual_seed(world)
@@ -307,9 +323,13 @@ def test_triton_reduce_scatter_copy_in_equals_reference(interpreted, src, dst, c
         assert_same_bits(ours, theirs, nan_payloads=src == dst and pre_divide == 1.0)
 
 
-@pytest.mark.parametrize("accumulate", [False, True])
-@pytest.mark.parametrize("post_divide", [1.0, 3.0])
-@pytest.mark.parametrize("src, dst, count, worlds", CASES)
+@pytest.mark.parametrize(
+    "src, dst, count, worlds, post_divide, accumulate",
+    with_scalings(
+        [(1.0, False), (1.0, True), (3.0, False), (3.0, True)],
+        {"100params-fp32-bf16": (1.0, True), "100params-fp32-fp16": (3.0, False)},
+    ),
+)
 def test_triton_reduce_scatter_copy_out_equals_reference(interpreted, src, dst, count, worlds, post_divide, accumulate):
     for world in worlds:
         gen = torch.Generator().manual_seed(world)
