@@ -331,6 +331,20 @@ def traced_in_a_callers_higher_order_op() -> bool:
     return not _is_block_frame_code(tx.output.root_tx.f_code)
 
 
+@torch._dynamo.assume_constant_result
+def traced_under_compiled_autograd() -> bool:
+    """Read while Dynamo traces a block frame's parameter reads: whether compiled autograd will trace
+    the backward (``torch._dynamo.config.compiled_autograd`` was set as the compiled call began). It
+    traces the whole backward into one graph of its own, not the frames' backward graphs that the
+    late hand-over pass rewrites, so a late delivery would only add a copy into ``.grad`` per
+    parameter there: the frames' reductions return their gradients instead ([Note: late
+    reduce-scatter wait across block frames] in module.py). Kept as a constant: a graph traced with
+    it off and run under compiled autograd (or the reverse) still delivers correctly."""
+    from torch._dynamo import compiled_autograd
+
+    return bool(compiled_autograd.compiled_autograd_enabled)
+
+
 # Dynamo's resume functions of a block frame's graph break: in FSDPModule.forward, or in the FSDP
 # class's __call__ ([Note: a block that checkpoints itself in __call__] in module.py).
 _BLOCK_FRAME_RESUME_NAMES = ("torch_dynamo_resume_in_forward", "torch_dynamo_resume_in__call_entering_block_frame")

@@ -638,8 +638,10 @@ def _forward_reparametrized(
 # the runtime keeps both buffers until the wait. Waited in the graph as before: HSDP (an all-reduce
 # follows), CommPolicy's gradient wire, tensor-parallel parameters, the groups outside blocks, a
 # bucket whose reduced shard something else reads, and any graph another backend compiles (there
-# the first call delivers where the graph computed the gradient). ``.grad`` is complete when
-# ``backward()`` returns, as before.
+# the first call delivers where the graph computed the gradient). Under compiled autograd, which
+# traces the whole backward into one graph of its own, no frame takes a sink: its reductions return
+# their gradients, as outside frames (backend.traced_under_compiled_autograd). ``.grad`` is complete
+# when ``backward()`` returns, as before.
 _UNBOUNDED_REUSE = (
     {"max_reuse_entries": sys.maxsize} if "max_reuse_entries" in inspect.signature(torch.compiler.nested_compile_region).parameters else {}
 )

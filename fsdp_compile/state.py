@@ -23,7 +23,9 @@ from torch.autograd.graph import register_multi_grad_hook
 from fsdp_compile import config
 from fsdp_compile.annotations import BLOCK_FRAME_TOKEN
 from fsdp_compile.api import BackwardPrefetch, MixedPrecisionPolicy
-from fsdp_compile.backend import traced_for_an_fsdp_backend, traced_in_a_callers_higher_order_op, traced_without_graph_breaks
+from fsdp_compile.backend import (
+    traced_for_an_fsdp_backend, traced_in_a_callers_higher_order_op, traced_under_compiled_autograd, traced_without_graph_breaks,
+)
 from fsdp_compile.collectives import pending_functional_reduce_scatter
 from fsdp_compile.comm_context import CommContext
 from fsdp_compile.graph_check import END_OF_FORWARD, block_frames_fingerprint, check_block_frames_match_across_ranks
@@ -709,7 +711,10 @@ class FSDPState:
         else:
             group_name, token = group.label, self.trace_token
         prefetched_gathers = self.traced_frame_prefetch()
-        delivers_late = self.compiles_as_frame and group.requires_gradient_sync and not hybrid and spec.wire_dtype is None
+        delivers_late = (
+            self.compiles_as_frame and group.requires_gradient_sync and not hybrid and spec.wire_dtype is None
+            and not traced_under_compiled_autograd()
+        )
         unsharded = []
         for fsdp_param in fsdp_params:
             late = (

@@ -56,7 +56,7 @@ class CompiledVsEager(NamedTuple):
     eager_losses: list[float]
     compiled_losses: list[float]
     max_param_gap: float  # between the eagerly and the compiled trained parameters
-    frames: dict  # Dynamo's stats plus after_first_step, joint_graphs_seen_by_our_passes, compiled_autograd_captures, moved
+    frames: dict  # Dynamo's stats plus after_first_step, joint_graphs_seen_by_our_passes, gradient_deliveries, compiled_autograd_captures, moved
     graph_breaks: int
 
 
@@ -117,11 +117,19 @@ def _compiled_vs_eager(
     frames = dict(torch._dynamo.utils.counters["stats"])
     frames["after_first_step"] = _train.graphs_after_first_step
     frames["joint_graphs_seen_by_our_passes"] = sum(kind == "joint" for kind, _ in graphs)
+    frames["gradient_deliveries"] = sum(_gradient_deliveries(graph) for kind, graph in graphs if kind != "joint")
     frames["compiled_autograd_captures"] = torch._dynamo.utils.counters["compiled_autograd"]["captures"]
     breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
     param_diff = max((a - b).abs().max().item() for a, b in zip(_full_params(eager), _full_params(compiled)))
     frames["moved"] = max((a - b).abs().max().item() for a, b in zip(_full_params(eager), initial))
     return CompiledVsEager(eager_losses, compiled_losses, param_diff, frames, breaks)
+
+
+def _gradient_deliveries(graph: torch.fx.GraphModule) -> int:
+    """Calls that hand a reduced gradient to the runtime ([Note: late reduce-scatter wait across block
+    frames] in fsdp_compile/module.py), immediate or late."""
+    deliveries = (torch.ops.fsdp_compile.deliver_reduced_gradient.default, torch.ops.fsdp_compile.deliver_reduce_scatter_late.default)
+    return sum(node.target in deliveries for node in graph.graph.nodes)
 
 
 def _assert_matches_eager(result: CompiledVsEager, loss_rtol=1e-6, param_atol=1e-5):
@@ -167,6 +175,9 @@ def test_compiled_autograd_gradients_equal_eager(dist):
     result = dist.run(2, _compiled_vs_eager, "compiled_autograd")[0]
     _assert_matches_eager(result)
     assert result.frames["compiled_autograd_captures"] > 0, "compiled autograd did not trace the backward"
+    # Compiled autograd's one backward graph returns the gradients: no block frame hands its reduced
+    # gradient over (a copy into .grad per parameter there); plain frames do (test_block_frames.py).
+    assert result.frames["gradient_deliveries"] == 0, result.frames
 
 
 class RestoredState(NamedTuple):
