@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 import fsdp_compile
 from fsdp_compile.models import next_token_loss
+from fsdp_compile.passes.graph import DELIVER_GRADIENT, DELIVER_REDUCE_SCATTER_LATE
 from fsdp_testing import UNEVEN, blocks_as_frames, build_reference, global_batches, local_part, make_optimizer, shard_model, sharded_copy
 
 STEPS = 3
@@ -128,8 +129,7 @@ def _compiled_vs_eager(
 def _gradient_deliveries(graph: torch.fx.GraphModule) -> int:
     """Calls that hand a reduced gradient to the runtime ([Note: late reduce-scatter wait across block
     frames] in fsdp_compile/module.py), immediate or late."""
-    deliveries = (torch.ops.fsdp_compile.deliver_reduced_gradient.default, torch.ops.fsdp_compile.deliver_reduce_scatter_late.default)
-    return sum(node.target in deliveries for node in graph.graph.nodes)
+    return sum(node.target in (DELIVER_GRADIENT, DELIVER_REDUCE_SCATTER_LATE) for node in graph.graph.nodes)
 
 
 def _assert_matches_eager(result: CompiledVsEager, loss_rtol=1e-6, param_atol=1e-5):
