@@ -83,13 +83,7 @@ class FSDPModule:
                 state.eager_enter_block_frame()  # a graph break: the rest is the block's own frame
                 if not torch.compiler.is_compiling():  # Dynamo runs that frame eagerly
                     return self._forward_with_eager_hooks(args, kwargs)
-                # Waited on and copied out here, outside any higher-order op of the body (a checkpointed
-                # region), where Dynamo refuses the side effect of keeping them.
-                state.traced_frame_prefetch()
-                output = super().forward(*args, **kwargs)  # type: ignore[misc]
-                # [Note: prefetch across block frames]: waited on and read, its unsharded parameters go with this graph's end.
-                state.frame_prefetched = state.frame_gathered = None
-                return output
+                return super().forward(*args, **kwargs)  # type: ignore[misc]
             if state.compiles_as_region:
                 unsharded = state.traced_unshard(state.group.fsdp_params)
                 if _takes_flat_arguments(args, kwargs):  # [Note: a block region's flat arguments]
@@ -106,11 +100,9 @@ class FSDPModule:
         # (torch.compiler.disable on it, the recompile limit, a skipped frame), its parameters
         # would be the sharded DTensors: run the eager hooks around it instead, which all-gather,
         # reshard and reduce-scatter as in eager training. A block compiled as a frame, whose
-        # all-gather was issued as the frame was entered ([Note: prefetch across block frames]),
-        # hands it to the eager hooks (FSDPParamGroup.adopt_all_gather) rather than letting it go and
-        # gathering again: each such block issued one all-gather too many (11 a step for a 3-block
-        # model whose eager training issues 7), and in forward a rank Dynamo ran the frame eagerly on
-        # issued one all-gather more than a rank that ran it compiled.
+        # all-gather the block before it issued ahead ([Note: prefetch across block frames]), hands
+        # it to the eager hooks (FSDPParamGroup.adopt_all_gather) rather than letting it go and
+        # gathering again, which would issue one all-gather a step more than eager training.
         state = self._fsdp_state()
         if state not in _warned_eager_frames:
             _warned_eager_frames.add(state)
@@ -131,7 +123,7 @@ class FSDPModule:
             # as ranks entering different blocks are ([Note: ranks entering different block frames] in
             # graph_check.py); ranks that all run it eagerly agree.
             root._check_frames_entered_across_ranks(state.label + EAGER_FRAME_MARK)
-        # The all-gather issued as the frame was entered serves the eager hooks: none is issued twice.
+        # The all-gather issued ahead for it serves the eager hooks: none is issued twice.
         state.hand_frame_prefetch_to_eager_hooks()
         args, kwargs = state._pre_forward(self, args, kwargs)
         output = super().forward(*args, **kwargs)  # type: ignore[misc]
@@ -534,8 +526,8 @@ def _forward_reparametrized(
 # PyTorch FSDP2's per-block compile, growing 0.65 s per layer. With config.compile_blocks_as_frames,
 # a block's forward instead breaks the caller's graph (state.eager_enter_block_frame, a
 # torch.compiler.disable'd call) and the rest of it is a Dynamo frame of its own: its graph reads the
-# block's shards, takes the group's all-gather ([Note: prefetch across block frames]) before the body,
-# and its backward holds the group's reduce-scatter, with a resharding block gathering again in
+# block's shards, all-gathers the group before the body (a graph node that takes the prefetch across
+# frames: [Note: prefetch across block frames]), and its backward holds the group's reduce-scatter, with a resharding block gathering again in
 # backward (passes/recompute.py, as for any graph). Dynamo keys compiled frames by code object, and
 # this code is every block's: a block whose guards hold on the first one's graph runs that graph, so
 # compile time stays flat with depth; blocks that differ compile a graph per structure, each structure
@@ -564,52 +556,47 @@ def _forward_reparametrized(
 # frames] in graph_check.py), since every rank compiles the same frames.
 #
 # [Note: prefetch across block frames]
-# A block's all-gather traced into its own frame could only overlap that block's first ops, and one
-# traced into the previous block's frame (to prefetch) made the last block's graph differ from the
-# others' (it has no next block), so a chain of identical blocks compiled two frames. Instead the
-# all-gathers are issued between frames: as block i's frame is entered (eagerly, in
-# enter_block_frame), the eager runtime's fused copy-in lays out the shards of block i+1 and the
-# functional all-gather the graphs use is issued on them, left in flight (traceable.issue_frame_prefetch);
-# block i issues its own only when nothing prefetched it (the first block of a forward). The tensor in
-# flight goes to the next block's frame through FSDPState.frame_prefetched, a graph input there: its
-# first parameter read waits on it and copies every parameter out in one extern op
-# (traceable.frame_prefetched_parameters), and the reads trace the usual all_gather_shard op with that
-# parameter as its ``prefetched`` input, so the op's autograd formula still reduce-scatters the
-# gradient in the block's own backward. The op's forward becomes fsdp_compile::prefetched_gather,
-# which passes/recompute.read_prefetched_gathers rewrites in the joint graph: the forward reads the
-# prefetched parameter, and a resharding block's backward all-gathers its shards again (a graph node,
-# bucketed) instead of saving it. Every block's graph thus waits on an input and issues nothing
-# forward: the first, the last and every other block of a structure share one graph. Block i+1's
-# all-gather runs while block i computes; at most two blocks are unsharded at once in forward (the
-# frame lets go of its parameters at its end). A prefetch is checked before use: one whose shards
-# were written since (the optimizer's step) or that no frame took in its forward is waited on and let
-# go (FSDPState.drop_frame_prefetch), never read stale; a frame Dynamo runs eagerly hands it to its
-# eager hooks ([Note: frames Dynamo runs eagerly]). The next block is learned eagerly as frames
-# are entered (FSDPState._learn_frame_order: the module tree's order at the first forward, then the
-# order the last forward ran them in). Not prefetched: a block with CommPolicy's quantized all-gather
-# or tensor-parallel parameters (it gathers in its own frame's graph), and the groups outside blocks.
+# A block frame's graph reads its parameters as any graph does: each read traces its unshard, the bucket
+# pass makes the group's all-gather one node, the reorder pass puts it at the graph's start. Left as it
+# is, that all-gather could only overlap the block's own first ops; one traced into the previous block's
+# graph instead (to prefetch) would make the last block's graph differ from the others' (it has no next
+# block), so a chain of identical blocks would compile two frames. The graph cannot name the block (one
+# graph serves them all) nor take an input for the block after it. So the post-grad pass
+# (passes/recompute.gather_frames_through_prefetch) turns the bucket's copy-in + all-gather into one
+# opaque call, fsdp_compile::frame_all_gather, on the same shards, in the same place, its result waited
+# on where the reorder pass put the wait; a graph node still, after bucketing and placing. At run time
+# (state.gather_in_frame) the call finds its block by the shards' addresses (registered as the block's
+# compiled frame was entered, enter_block_frame), takes the all-gather the block before it issued for
+# it if one was issued on exactly these shards at these versions (else issues its own), and issues that
+# of the block after it (the order the last forward entered them in: FSDPState._learn_frame_order, the
+# module tree's at the first), with the shards that block's graph gathered last time. So block i+1's
+# all-gather is in flight before block i's first matmul and runs while block i computes, as FSDP2's
+# eager forward prefetch; every block's graph is the same, the first, the last and the others; at most
+# two blocks are unsharded at once in forward (a frame lets go of its parameters at its end). A
+# resharding block's backward graph gathers again, as any graph's (passes/recompute.py), nothing
+# unsharded saved. Every rank decides alike: the order, the registration (on every rank, or, where a
+# parameter has no rows on some rank and so no address of its own, on none) and the learned gathers
+# are the same on all ranks. Not prefetched: a block's first forward (what its graph gathers is learned
+# then), a block with CommPolicy's quantized all-gather or tensor-parallel parameters (they gather in
+# their own graph), the groups outside blocks. A prefetch is never read stale: one whose shards were
+# written since (the optimizer's step) is waited on and let go where the block's graph asks for its
+# all-gather; one no frame took (a block skipped on a step) is let go as the next forward's first frame
+# is entered (FSDPState.drop_frame_prefetch); a frame Dynamo runs eagerly hands it to its eager hooks
+# ([Note: frames Dynamo runs eagerly]).
 #
 # [Note: backward prefetch across block frames]
 # A resharding block's backward graph gathers its shards again (a bucketed graph all-gather, which the
-# reorder pass hoists to the graph's start), so without more its all-gather could only overlap its own
-# first ops, as forward's did before the prefetch above. The graph cannot name the block (one graph
-# serves them all) nor take an input for the block's successor in backward. So the post-grad pass
-# (passes/recompute.gather_frame_backward_through_prefetch) turns that copy-in + all-gather into one
-# opaque call, fsdp_compile::frame_backward_all_gather, on the same shards, in the same place, its
-# result waited on where the reorder pass put the wait. At run time (FSDPState's
-# gather_in_frame_backward) the call finds its block by the shards' addresses (registered as the
-# block's compiled frame was entered with gradients on), takes the all-gather the block after it
-# issued for it if one was issued on exactly these shards at these versions (else issues its own), and
-# issues that of the block before it, the one that ran forward before it (the order learned for the
-# forward prefetch) and so runs backward next, with the shards its backward graph gathered last time.
-# So block i-1's all-gather runs while block i's backward computes, as FSDP2's eager backward
-# prefetch does; at most two blocks are unsharded at once in backward. Every rank decides alike: the
-# order, the registration (on every rank, or, where a parameter has no rows on some rank and so no
-# address of its own, on none) and the learned gathers are the same on all ranks. Not prefetched: a
-# block whose compiled frame did not run forward with gradients on since its backward last ran (a
-# frame Dynamo ran eagerly: its eager hooks gather; a no-grad forward), a block's first backward (its
-# gather is learned then), the groups outside blocks. One that no backward took (a backward that
-# stops early) is let go as the next forward's first frame is entered, as a forward prefetch is.
+# reorder pass hoists to the graph's start), and the same pass makes it the same opaque call as in
+# forward ([Note: prefetch across block frames]), run the other way: it takes the all-gather the block
+# after it issued for it and issues that of the block before it, the one that ran forward before it and
+# so runs backward next, with the shards that block's backward graph gathered last time. So block i-1's
+# all-gather runs while block i's backward computes, as FSDP2's eager backward prefetch does; at most
+# two blocks are unsharded at once in backward. A block is registered for its backward's gather where
+# its compiled frame ran forward with gradients on. Not prefetched: a block whose compiled frame did not
+# run forward with gradients on since its backward last ran (a frame Dynamo ran eagerly: its eager hooks
+# gather; a no-grad forward), a block's first backward (its gather is learned then), the groups outside
+# blocks. One that no backward took (a backward that stops early) is let go as the next forward's first
+# frame is entered, as a forward prefetch is.
 # The reduce-scatters are issued in the block's graph and waited after it ([Note: late reduce-scatter
 # wait across block frames]).
 #
@@ -755,9 +742,7 @@ _let_a_block_body_graph_break()
 # backward graph holding every layer's reduce-scatter). For such a class (_may_checkpoint_itself), the
 # FSDP class enters the block's frame in __call__ instead, before the user's __call__ (and the
 # checkpoint) runs: the frame's graph then holds the checkpoint, the forward and the parameter reads
-# inside it, as for a block that checkpoints inside its forward (torchtitan's recipe); the prefetched
-# parameters are copied out before the checkpoint (outside its higher-order op, where Dynamo keeps the
-# side effect). The forward, reached inside that frame (backend.traced_in_a_block_call_frame), runs the
+# inside it, as for a block that checkpoints inside its forward (torchtitan's recipe). The forward, reached inside that frame (backend.traced_in_a_block_call_frame), runs the
 # body as it is. A frame Dynamo runs eagerly runs the user's __call__ eagerly, whose forward takes the
 # eager hooks ([Note: frames Dynamo runs eagerly]).
 def _may_checkpoint_itself(cls: type) -> bool:
@@ -782,11 +767,6 @@ def _entering_block_frame_before(user_call: Callable[..., Any]) -> Callable[...,
                 # A graph break: the rest is the block's frame, Dynamo's resume function named after
                 # this function (traced_in_a_block_call_frame).
                 state.eager_enter_block_frame()
-                if torch.compiler.is_compiling():
-                    state.traced_frame_prefetch()
-                    output = user_call(self, *args, **kwargs)
-                    state.frame_prefetched = state.frame_gathered = None
-                    return output
         return user_call(self, *args, **kwargs)
 
     return _call_entering_block_frame

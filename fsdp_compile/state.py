@@ -31,7 +31,7 @@ from fsdp_compile.comm_context import CommContext
 from fsdp_compile.graph_check import END_OF_FORWARD, block_frames_fingerprint, check_block_frames_match_across_ranks
 from fsdp_compile.param_group import FSDPParamGroup, TrainingState, owner_of_late_gradient_sink
 from fsdp_compile.structures import map_tensors, tensors_in
-from fsdp_compile.traceable import frame_prefetched_parameters, issue_frame_prefetch, trace_annotation, unshard_for_trace
+from fsdp_compile.traceable import issue_frame_prefetch, trace_annotation, unshard_for_trace
 
 if TYPE_CHECKING:
     from fsdp_compile.param import FSDPParam
@@ -78,28 +78,85 @@ def _inside_a_compiled_call() -> bool:
     return bool(torch._C._dynamo.eval_frame.get_eval_frame_callback())
 
 
-# The blocks whose compiled frames ran forward with gradients on, by their shards' addresses: a block
-# frame's backward graph, shared by every block of its structure, names no block
-# ([Note: backward prefetch across block frames] in module.py).
+# The blocks whose compiled frames were entered, by their shards' addresses: a block frame's graph,
+# shared by every block of its structure, names no block ([Note: prefetch across block frames] in
+# module.py).
 _frame_blocks_by_shard: "dict[int, weakref.ref[FSDPState]]" = {}
 
 
-def gather_in_frame_backward(
+class _FrameGather:
+    """One direction's all-gather of a block frame's group (forward's or backward's), as its graph's
+    ``fsdp_compile::frame_all_gather`` asks for it: what that graph gathers (learned as it first runs:
+    indices of the group's parameters, padded numels, dtype, shard size, process group), whether the
+    block's compiled frame was entered for it since it last ran (forward: entered; backward: entered
+    with gradients on), and the all-gather issued for it ahead, with what it was issued on. See [Note:
+    prefetch across block frames] in module.py."""
+
+    def __init__(self) -> None:
+        self.learned: tuple | None = None
+        self.pending = False
+        self.in_flight: torch.Tensor | None = None
+        self._issued_from: tuple | None = None
+
+    def take(self, shards: list[torch.Tensor]) -> torch.Tensor | None:
+        """The all-gather issued ahead on exactly ``shards`` as they are now, or None (any other is let go)."""
+        in_flight, issued_from = self.in_flight, self._issued_from
+        self.in_flight, self._issued_from = None, None
+        if in_flight is None:
+            return None
+        if issued_from != (self.learned, _addresses_and_versions(shards)):
+            torch.ops._c10d_functional.wait_tensor(in_flight)
+            return None
+        return in_flight
+
+    def issue_ahead(self, group: "FSDPParamGroup | None") -> None:
+        """The all-gather this graph issued last time, on ``group``'s shards as they are now."""
+        if self.learned is None or group is None or self.in_flight is not None:
+            return
+        indices, padded_numels, param_dtype, shard_size, shard_group_name = self.learned
+        shards = [group.fsdp_params[index].local_shard() for index in indices]
+        self.in_flight = issue_frame_prefetch(shards, padded_numels, param_dtype, shard_size, shard_group_name)
+        self._issued_from = (self.learned, _addresses_and_versions(shards))
+
+    def is_whole_group_of(self, group: "FSDPParamGroup") -> bool:
+        """Whether what it gathers is ``group``'s eager all-gather, in its layout (its eager hooks can take it)."""
+        if self.learned is None:
+            return False
+        indices, padded_numels, param_dtype, shard_size, shard_group_name = self.learned
+        spec = group.reduce_spec
+        return (
+            indices == tuple(range(len(group.fsdp_params))) and param_dtype == group.param_dtype
+            and padded_numels == [p.padded_shard_numel for p in group.fsdp_params]
+            and (shard_size, shard_group_name) == (spec.shard_size, spec.shard_group_name)
+        )
+
+    def drop(self) -> None:
+        """Let go of an all-gather issued ahead that no graph will read, once it completed (its buffer is
+        in use until then, and a collective's tensor is waited on before it is freed)."""
+        if self.in_flight is not None:
+            torch.ops._c10d_functional.wait_tensor(self.in_flight)
+        self.in_flight, self._issued_from = None, None
+
+
+def gather_in_frame(
     shards: list[torch.Tensor], padded_numels: list[int], param_dtype: torch.dtype, shard_size: int, shard_group_name: str,
+    backward: bool,
 ) -> torch.Tensor:
-    """``fsdp_compile::frame_backward_all_gather`` run in a block frame's backward graph: the group's
-    all-gather in flight (prefetched by the block after it, or issued now), after issuing the block
-    before it's; see [Note: backward prefetch across block frames] in module.py."""
-    state, indices = _frame_block_of(shards)
+    """``fsdp_compile::frame_all_gather`` run in a block frame's forward or backward graph: the group's
+    all-gather in flight (issued ahead by the block that ran before it, or issued now), after issuing
+    that of the block that runs next (forward: the next block; backward: the block before it); see
+    [Note: prefetch across block frames] in module.py."""
+    state, indices = _frame_block_of(shards, backward)
     in_flight = None
     if state is not None:
-        state._frame_backward_gather = (indices, list(padded_numels), param_dtype, shard_size, shard_group_name)
-        in_flight = state._take_backward_prefetch(shards)
+        gather = state.frame_gathers[backward]
+        gather.learned = (indices, list(padded_numels), param_dtype, shard_size, shard_group_name)
+        gather.pending = False
+        in_flight = gather.take(shards)
     if in_flight is None:
         in_flight = issue_frame_prefetch(shards, padded_numels, param_dtype, shard_size, shard_group_name)
     if state is not None:
-        state._frame_backward_pending = False
-        state._prefetch_previous_frame_backward()
+        state._gather_next_frame_ahead(backward)
     return in_flight
 
 
@@ -150,21 +207,21 @@ def land_late_reductions() -> None:
             group.finish_reduction()
 
 
-def _frame_block_of(shards: list[torch.Tensor]) -> "tuple[FSDPState | None, tuple[int, ...] | None]":
-    """The registered block whose parameters' shards ``shards`` are (every one of them), with their
-    indices in its group, or (None, None)."""
+def _frame_block_of(shards: list[torch.Tensor], backward: bool) -> "tuple[FSDPState | None, tuple[int, ...] | None]":
+    """The registered block whose parameters' shards ``shards`` are (every one of them), its frame
+    entered for this direction's gather, with their indices in its group, or (None, None)."""
     if not shards:
         return None, None
     reference = _frame_blocks_by_shard.get(shards[0].data_ptr())
     state = reference() if reference is not None else None
-    if state is None or not state._frame_backward_pending:
+    if state is None or not state.frame_gathers[backward].pending:
         return None, None
     indices = _indices_in_group(state, shards)
     return (state, indices) if indices is not None else (None, None)
 
 
 def _addresses_and_versions(shards: list[torch.Tensor]) -> list[tuple[int, int]]:
-    """What a backward prefetch was issued on: a later read of other or since-written shards differs."""
+    """What a frame's all-gather was issued on: a later read of other or since-written shards differs."""
     return [(shard.data_ptr(), shard._version) for shard in shards]
 
 
@@ -319,24 +376,13 @@ class FSDPState:
         # The unsharded parameters of this forward's first read, by FQN (unsharded_across_frames).
         self.frame_handoff: dict[str, torch.Tensor] = {}
         # [Note: prefetch across block frames] in module.py. The block whose frame runs after this
-        # one's (learned eagerly by enter_block_frame); this block's all-gather in flight, issued as
-        # the frame before it (or its own) was entered, with the shards it read and their versions
-        # (a shard written since makes it stale); in the frame's trace, the parameters copied out of it.
-        # previous_frame_block: the block entered just before this one in the last forward that entered
-        # it (its backward runs after this one's), or None where this one came first.
+        # one's (learned eagerly by enter_block_frame); previous_frame_block: the block entered just
+        # before this one in the last forward that entered it (its backward runs after this one's), or
+        # None where this one came first. This block's forward and backward all-gathers, by
+        # ``backward`` (False, True), each with the one issued for it ahead.
         self.next_frame_block: FSDPState | None = None
         self.previous_frame_block: FSDPState | None = None
-        self.frame_prefetched: torch.Tensor | None = None
-        self._frame_prefetched_from: list[tuple[torch.Tensor, int]] = []
-        self.frame_gathered: list[torch.Tensor] | None = None
-        # [Note: backward prefetch across block frames] in module.py. What this block's backward graph
-        # gathers (learned as it first runs: indices of its group's parameters, padded numels, dtype,
-        # shard size, process group), whether a compiled frame of it ran forward since its backward last
-        # ran, and the all-gather the block after it issued for it in backward, with what it was issued on.
-        self._frame_backward_gather: tuple | None = None
-        self._frame_backward_pending = False
-        self._backward_prefetched: torch.Tensor | None = None
-        self._backward_prefetched_from: tuple | None = None
+        self.frame_gathers = (_FrameGather(), _FrameGather())
         # On a root whose blocks compile as frames: between its (eager) pre- and post-forward.
         self.frames_forward_running = False
         # On a root: the first block frame entered at the first forward (entered again, a new forward
@@ -467,138 +513,67 @@ class FSDPState:
         self.previous_frame_block = None if self is root._first_frame_block else previous
         root._last_frame_block = self
 
-    def _prefetch_frame_gathers(self) -> None:
-        """Eagerly, as this block's frame is entered: its all-gather, unless one is in flight for it
-        already, and the next block's; see [Note: prefetch across block frames] in module.py."""
-        if not self.takes_prefetched_frame_gathers():
-            return
-        if not self._holds_fresh_prefetch():
-            self._issue_frame_prefetch()
-        following = self.next_frame_block
-        if following is not None and following.takes_prefetched_frame_gathers() and not following._holds_fresh_prefetch():
-            following._issue_frame_prefetch()
-
-    def _issue_frame_prefetch(self) -> None:
-        group = self.group
-        assert group is not None
-        self.drop_frame_prefetch()
-        shards = [fsdp_param.all_gather_input() for fsdp_param in group.fsdp_params]
-        spec = group.reduce_spec
-        self.frame_prefetched = issue_frame_prefetch(
-            shards, [p.padded_shard_numel for p in group.fsdp_params], group.param_dtype, spec.shard_size, spec.shard_group_name,
-        )
-        self._frame_prefetched_from = [(shard, shard._version) for shard in (p.local_shard() for p in group.fsdp_params)]
-
-    def _holds_fresh_prefetch(self) -> bool:
-        """An all-gather in flight for this block whose shards nothing wrote since (the optimizer's step
-        writes them in place, a state dict load replaces them); a stale one _issue_frame_prefetch lets go."""
-        if self.frame_prefetched is None:
-            return False
-        group = self.group
-        assert group is not None
-        return len(self._frame_prefetched_from) == len(group.fsdp_params) and all(
-            p.local_shard() is shard and shard._version == version
-            for p, (shard, version) in zip(group.fsdp_params, self._frame_prefetched_from)
-        )
-
     def hand_frame_prefetch_to_eager_hooks(self) -> None:
-        """Eagerly, where Dynamo runs this block's frame eagerly: the all-gather issued as the frame
-        was entered is the one its eager hooks read, not one more; see [Note: frames Dynamo runs
+        """Eagerly, where Dynamo runs this block's frame eagerly: the all-gather the block before it
+        issued for it ahead is the one its eager hooks read, not one more; see [Note: frames Dynamo runs
         eagerly] in module.py. A stale one, or one the group cannot take, is let go."""
-        self._frame_backward_pending = False  # the eager hooks gather for its backward
+        forward, backward = self.frame_gathers
+        forward.pending = backward.pending = False  # the eager hooks gather, forward and backward
         group = self.group
-        if self.frame_prefetched is not None and group is not None and self._holds_fresh_prefetch():
-            gathered = torch.ops._c10d_functional.wait_tensor(self.frame_prefetched).view(group.reduce_spec.shard_size, -1)
-            if group.adopt_all_gather(gathered):
-                self.frame_prefetched, self._frame_prefetched_from = None, []
-                return
+        if forward.in_flight is not None and group is not None and forward.is_whole_group_of(group):
+            in_flight = forward.take([p.local_shard() for p in group.fsdp_params])
+            if in_flight is not None:
+                gathered = torch.ops._c10d_functional.wait_tensor(in_flight).view(group.reduce_spec.shard_size, -1)
+                if group.adopt_all_gather(gathered):
+                    return
         self.drop_frame_prefetch()
 
     def drop_frame_prefetch(self) -> None:
-        """Eagerly: let go of a prefetch no frame will read (forward's, or backward's: [Note: backward
-        prefetch across block frames] in module.py), once its all-gather completed (its buffer is in use
-        until then, and a collective's tensor is waited on before it is freed)."""
-        for in_flight in (self.frame_prefetched, self._backward_prefetched):
-            if in_flight is not None:
-                torch.ops._c10d_functional.wait_tensor(in_flight)
-        self.frame_prefetched = self._backward_prefetched = None
-        self._frame_prefetched_from, self._backward_prefetched_from = [], None
+        """Eagerly: let go of the all-gathers issued ahead for this block that no frame will read
+        ([Note: prefetch across block frames] in module.py)."""
+        for gather in self.frame_gathers:
+            gather.drop()
 
-    def _gathers_identifiably_in_frame_backward(self) -> bool:
-        """Whether ``gather_in_frame_backward`` can tell this block by its shards' addresses on every
-        rank: each parameter holds rows on every rank (a rank's empty shard has no address of its own),
-        a fact of the shapes alone, the same on all ranks."""
+    def _gathers_identifiably_in_frames(self) -> bool:
+        """Whether ``gather_in_frame`` can tell this block by its shards' addresses on every rank: each
+        parameter holds rows on every rank (a rank's empty shard has no address of its own), a fact of
+        the shapes alone, the same on all ranks."""
         group = self.group
         return group is not None and all(
             p.layout.row_numel > 0 and p.layout.rows(p.layout.world_size - 1) > 0 for p in group.fsdp_params
         )
 
-    def _register_for_frame_backward(self) -> None:
-        """Eagerly, as this block's compiled frame is entered with gradients on: its backward graph's
-        all-gather will find it by its shards (``gather_in_frame_backward``)."""
+    def _register_for_frame_gathers(self) -> None:
+        """Eagerly, as this block's compiled frame is entered: its graphs' all-gathers will find it by
+        its shards (``gather_in_frame``), its backward's where the forward runs with gradients on."""
+        forward, backward = self.frame_gathers
         group = self.group
-        if group is None or not torch.is_grad_enabled() or not self._gathers_identifiably_in_frame_backward():
-            self._frame_backward_pending = False
+        identifiable = group is not None and self._gathers_identifiably_in_frames()
+        forward.pending = identifiable
+        backward.pending = identifiable and torch.is_grad_enabled()
+        if identifiable:
+            for fsdp_param in group.fsdp_params:
+                _frame_blocks_by_shard[fsdp_param.local_shard().data_ptr()] = weakref.ref(self)
+
+    def _gather_next_frame_ahead(self, backward: bool) -> None:
+        """In this block's forward (backward) graph: issue the all-gather of the block whose forward
+        (backward) runs next, the block after it in the last forward (the one before it), as its graph
+        gathered last time. Backward: where its compiled frame ran forward with gradients on since its
+        backward last ran; forward: where its frame will take it (compiled as a frame, its hooks idle)."""
+        if backward:
+            previous = self.previous_frame_block
+            if previous is not None and previous.frame_gathers[True].pending:
+                previous.frame_gathers[True].issue_ahead(previous.group)
             return
-        self._frame_backward_pending = True
-        for fsdp_param in group.fsdp_params:
-            _frame_blocks_by_shard[fsdp_param.local_shard().data_ptr()] = weakref.ref(self)
-
-    def _shards_for_frame_backward(self) -> list[torch.Tensor] | None:
-        """The shards this block's backward graph all-gathers, in its order (None before it first ran)."""
-        group = self.group
-        if self._frame_backward_gather is None or group is None:
-            return None
-        return [group.fsdp_params[index].local_shard() for index in self._frame_backward_gather[0]]
-
-    def _take_backward_prefetch(self, shards: list[torch.Tensor]) -> torch.Tensor | None:
-        """The all-gather issued for this block's backward on exactly ``shards`` as they are now, or None
-        (any other is let go)."""
-        in_flight, issued_from = self._backward_prefetched, self._backward_prefetched_from
-        self._backward_prefetched, self._backward_prefetched_from = None, None
-        if in_flight is None:
-            return None
-        fresh = issued_from == (self._frame_backward_gather, _addresses_and_versions(shards))
-        if not fresh:
-            torch.ops._c10d_functional.wait_tensor(in_flight)
-            return None
-        return in_flight
-
-    def _prefetch_previous_frame_backward(self) -> None:
-        """In this block's backward: issue the all-gather of the block that ran forward before it, whose
-        backward runs next, where its compiled frame ran forward with gradients on since its backward
-        last ran and its backward graph gathered before."""
-        previous = self.previous_frame_block
-        if previous is not None and previous._frame_backward_pending and previous._backward_prefetched is None:
-            previous._issue_backward_prefetch()
-
-    def _issue_backward_prefetch(self) -> None:
-        """The all-gather this block's backward graph issued last time, on its shards as they are now."""
-        shards = self._shards_for_frame_backward()
-        if shards is None:
-            return
-        _, padded_numels, param_dtype, shard_size, shard_group_name = self._frame_backward_gather
-        self._backward_prefetched = issue_frame_prefetch(shards, padded_numels, param_dtype, shard_size, shard_group_name)
-        self._backward_prefetched_from = (self._frame_backward_gather, _addresses_and_versions(shards))
-
-    def traced_frame_prefetch(self) -> list[torch.Tensor] | None:
-        """Traced in this block's frame: the parameters of the all-gather in flight for it (waited on
-        and copied out once, at the frame's start), or None where the frame gathers them itself."""
-        if self.frame_prefetched is None or not self.compiles_as_frame:
-            return None
-        if self.frame_gathered is None:
-            group = self.group
-            assert group is not None
-            self.frame_gathered = frame_prefetched_parameters(
-                self.frame_prefetched, [p.layout for p in group.fsdp_params], group.reduce_spec.shard_size,
-            )
-        return self.frame_gathered
+        following = self.next_frame_block
+        if following is not None and following.takes_prefetched_frame_gathers():
+            following.frame_gathers[False].issue_ahead(following.group)
 
     def takes_prefetched_frame_gathers(self) -> bool:
-        """Whether this block's frame reads an all-gather issued as a frame was entered (eagerly): a
-        block compiled as a frame, not training its hooks eagerly nor recomputing in backward, without
-        CommPolicy's quantized all-gather or tensor-parallel parameters (those gather in their own
-        frame's graph)."""
+        """Whether this block's frame takes the all-gathers issued for it ahead ([Note: prefetch across
+        block frames] in module.py): a block compiled as a frame, not training its hooks eagerly nor
+        recomputing in backward, without CommPolicy's quantized all-gather or tensor-parallel
+        parameters (those gather in their own frame's graph, unprefetched)."""
         group = self.group
         return (
             config.compile_blocks_as_frames and self._is_block() and self.training_state is TrainingState.IDLE
@@ -621,9 +596,8 @@ class FSDPState:
             for fsdp_param in self.group.fsdp_params:
                 fsdp_param.refresh_detached_sharded_param()
         self._learn_frame_order()
-        self._prefetch_frame_gathers()
         if self.takes_prefetched_frame_gathers():
-            self._register_for_frame_backward()
+            self._register_for_frame_gathers()
         if root not in _roots_told_of_frames_prefetch:
             _roots_told_of_frames_prefetch.add(root)
             explicit = [s.label for s in root.states_in_tree() if s.forward_prefetch or s.backward_prefetch]
@@ -710,7 +684,6 @@ class FSDPState:
             group_name, token = self.frame_label, BLOCK_FRAME_TOKEN  # one graph for every such block
         else:
             group_name, token = group.label, self.trace_token
-        prefetched_gathers = self.traced_frame_prefetch()
         delivers_late = (
             self.compiles_as_frame and group.requires_gradient_sync and not hybrid and spec.wire_dtype is None
             and not traced_under_compiled_autograd()
@@ -737,7 +710,6 @@ class FSDPState:
                 trace_annotation(group_name, fsdp_param.fqn, reshards, token), fsdp_param.accumulation_sink,
                 group.requires_gradient_sync, accumulated, deferred,
                 fsdp_param.deferred_all_reduce_sink if sinks_deferred else None, quantize, fsdp_param.tensor_parallel,
-                None if prefetched_gathers is None else prefetched_gathers[fsdp_param.index_in_group],
                 fsdp_param.late_gradient_sink if late else None,
             ))
         return unsharded

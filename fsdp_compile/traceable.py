@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from fsdp_compile.state import FSDPState
 
 __all__ = [
-    "trace_annotation", "unshard_for_trace", "issue_frame_prefetch", "frame_prefetched_parameters", "frame_backward_all_gather", "install_traced_param_access", "FSDP_ANNOTATION_KEY",
+    "trace_annotation", "unshard_for_trace", "issue_frame_prefetch", "frame_all_gather", "install_traced_param_access", "FSDP_ANNOTATION_KEY",
     "TRACED_OP_DECOMPOSITIONS",
 ]
 
@@ -107,23 +107,6 @@ def _shard_rank_shape(like: torch.Tensor, shard_group_name: str) -> torch.Tensor
     return like.new_empty((), dtype=torch.int64)
 
 
-@torch.library.custom_op("fsdp_compile::prefetched_gather", mutates_args=())
-def _prefetched_gather(
-    prefetched: torch.Tensor, padded_shard: torch.Tensor, param_dtype: torch.dtype, shard_size: int, shard_group_name: str,
-) -> torch.Tensor:
-    """A block frame's gathered parameter, all-gathered before its frame began
-    ([Note: prefetch across block frames] in module.py). The joint-graph pass
-    (``passes.recompute.read_prefetched_gathers``) makes the forward read ``prefetched`` and the
-    backward gather ``padded_shard`` again; run as it stands (a backend without that pass), it
-    copies ``prefetched``: an op's output may not alias its input."""
-    return prefetched.clone()
-
-
-@_prefetched_gather.register_fake
-def _prefetched_gather_shape(prefetched: torch.Tensor, *rest: object) -> torch.Tensor:
-    return torch.empty_like(prefetched)
-
-
 def _reduce_over_wire(grad: torch.Tensor, wire_dtype: torch.dtype, shard_size: int, shard_group_name: str) -> torch.Tensor:
     """CommPolicy's gradient wire as graph nodes: all-to-all of the chunks in ``wire_dtype``, then the
     float32 sum of the received rows in rank order, this rank's own chunk unrounded (the eager
@@ -153,7 +136,7 @@ _ALL_GATHER_SHARD_SCHEMA = (
     "(Tensor padded_shard, Tensor? accumulated, Tensor? deferred, Tensor? deferred_sink, ScalarType param_dtype, "
     "ScalarType reduce_dtype, ScalarType grad_dtype, float pre_divide, float post_divide, int shard_size, "
     "ScalarType? wire_dtype, ScalarType? quantize_dtype, int quantize_block_size, str shard_group_name, "
-    "str? replicate_group_name, Tensor? prefetched=None, Tensor? late_sink=None) -> Tensor"
+    "str? replicate_group_name, Tensor? late_sink=None) -> Tensor"
 )
 
 
@@ -162,14 +145,11 @@ def _all_gather_shard_forward(
     deferred_sink: torch.Tensor | None, param_dtype: torch.dtype, reduce_dtype: torch.dtype, grad_dtype: torch.dtype,
     pre_divide: float, post_divide: float, shard_size: int, wire_dtype: torch.dtype | None,
     quantize_dtype: torch.dtype | None, quantize_block_size: int, shard_group_name: str, replicate_group_name: str | None,
-    prefetched: torch.Tensor | None = None, late_sink: torch.Tensor | None = None,
+    late_sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Padded local shard (orig dtype, dim-0 view) -> gathered [world * chunk, ...] in param_dtype;
-    ``prefetched``: what a prefetch gathered from this shard ([Note: prefetch across block frames]);
     ``late_sink``: the parameter's ``late_gradient_sink``, given where its reduced gradient goes to
     the runtime rather than out of the graph ([Note: late reduce-scatter wait across block frames])."""
-    if prefetched is not None:
-        return torch.ops.fsdp_compile.prefetched_gather(prefetched, padded_shard, param_dtype, shard_size, shard_group_name)
     quantize = None if quantize_dtype is None else (quantize_dtype, quantize_block_size)
     return _gather(padded_shard, param_dtype, shard_size, shard_group_name, quantize)
 
@@ -188,7 +168,7 @@ def _all_gather_shard_shape(padded_shard: torch.Tensor, accumulated: object, def
 
 def _save_reduction(ctx, inputs: tuple, output: torch.Tensor) -> None:
     (_, accumulated, deferred, deferred_sink, _, ctx.reduce_dtype, ctx.grad_dtype, ctx.pre_divide, ctx.post_divide,
-     ctx.shard_size, ctx.wire_dtype, _, _, ctx.shard_group_name, ctx.replicate_group_name, _, late_sink) = inputs
+     ctx.shard_size, ctx.wire_dtype, _, _, ctx.shard_group_name, ctx.replicate_group_name, late_sink) = inputs
     ctx.has_accumulated, ctx.has_deferred = accumulated is not None, deferred is not None
     ctx.defers_all_reduce = deferred_sink is not None
     ctx.delivers_late = late_sink is not None
@@ -216,7 +196,7 @@ def _reduce_gathered_grad(ctx, grad: torch.Tensor) -> tuple:
         reduced = _functional.wait_tensor(
             _functional.reduce_scatter_tensor(grad.contiguous(), "sum", ctx.shard_size, ctx.shard_group_name)
         )
-    no_grads = (None,) * 12
+    no_grads = (None,) * 11
     if ctx.replicate_group_name is not None:
         if ctx.has_deferred:
             reduced = reduced + saved.pop(0)
@@ -256,7 +236,7 @@ def unshard_for_trace(
     sink: torch.Tensor, requires_gradient_sync: bool, accumulated: torch.Tensor | None,
     deferred: torch.Tensor | None = None, deferred_sink: torch.Tensor | None = None,
     quantize: tuple[torch.dtype, int] | None = None, tensor_parallel: "TensorParallelLayout | None" = None,
-    prefetched: torch.Tensor | None = None, late_sink: torch.Tensor | None = None,
+    late_sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The full parameter from its sharded DTensor, as traceable functional collectives.
 
@@ -269,14 +249,12 @@ def unshard_for_trace(
     CommPolicy's quantized all-gather, or None. ``tensor_parallel``: a tensor-parallel parameter's
     layout ([Note: FSDP over tensor-parallel parameters] in mesh.py): the gather over dp gives this
     rank's TP piece, returned as the user's DTensor, whose operations trace TP's own collectives.
-    ``prefetched``: the gathered parameter a prefetch all-gathered (``frame_prefetched_parameters``),
-    read in place of this graph's own all-gather ([Note: prefetch across block frames] in module.py).
     ``late_sink``: the parameter's ``late_gradient_sink`` where its reduced gradient is handed to the
     runtime, not returned ([Note: late reduce-scatter wait across block frames] in module.py).
     """
     full = _unshard_local(
         sharded, layout, param_dtype, spec, annotation, sink, requires_gradient_sync, accumulated, deferred, deferred_sink,
-        quantize, prefetched, late_sink,
+        quantize, late_sink,
     )
     return full if tensor_parallel is None else tensor_parallel.unsharded(full)
 
@@ -284,33 +262,36 @@ def unshard_for_trace(
 def issue_frame_prefetch(
     shards: list[torch.Tensor], padded_numels: list[int], param_dtype: torch.dtype, shard_size: int, shard_group_name: str,
 ) -> torch.Tensor:
-    """Eagerly, as a block frame is entered: the group's all-gather (one flat buffer, the eager
-    runtime's fused copy-in), returned in flight; the frame that reads it waits on it in its graph
-    (``frame_prefetched_parameters``). See [Note: prefetch across block frames] in module.py."""
+    """A block frame's group all-gather as ``frame_all_gather`` issues it (one flat buffer, the eager
+    runtime's fused copy-in), returned in flight; the graph that reads it waits on it. See [Note:
+    prefetch across block frames] in module.py."""
     with torch.no_grad():
         flat = torch.ops.fsdp_compile.all_gather_copy_in_functional(shards, padded_numels, param_dtype)
         return _functional.all_gather_into_tensor(flat, shard_size, shard_group_name)
 
 
 @torch.library.custom_op(
-    "fsdp_compile::frame_backward_all_gather", mutates_args=(),
-    schema="(Tensor[] shards, int[] padded_numels, ScalarType param_dtype, int shard_size, str shard_group_name) -> Tensor",
+    "fsdp_compile::frame_all_gather", mutates_args=(),
+    schema="(Tensor[] shards, int[] padded_numels, ScalarType param_dtype, int shard_size, str shard_group_name, bool backward) -> Tensor",
 )
-def frame_backward_all_gather(
+def frame_all_gather(
     shards: list[torch.Tensor], padded_numels: list[int], param_dtype: torch.dtype, shard_size: int, shard_group_name: str,
+    backward: bool,
 ) -> torch.Tensor:
-    """In a block frame's backward graph, in place of its group's all-gather (copy-in and
-    all-gather, left in flight for the graph's wait): the all-gather the backward of the block after
-    it issued for it, else one issued now; either way it then issues the all-gather of the block
-    before it, whose backward runs next. See [Note: backward prefetch across block frames] in module.py."""
-    from fsdp_compile.state import gather_in_frame_backward
+    """In a block frame's forward (``backward`` False) or backward graph, in place of its group's
+    all-gather (copy-in and all-gather, left in flight for the graph's wait): the all-gather the block
+    that ran before it issued for it (in forward the block before it, in backward the block after it),
+    else one issued now; either way it then issues that of the block that runs next. See [Note:
+    prefetch across block frames] and [Note: backward prefetch across block frames] in module.py."""
+    from fsdp_compile.state import gather_in_frame
 
-    return gather_in_frame_backward(shards, padded_numels, param_dtype, shard_size, shard_group_name)
+    return gather_in_frame(shards, padded_numels, param_dtype, shard_size, shard_group_name, backward)
 
 
-@frame_backward_all_gather.register_fake
-def _frame_backward_all_gather_shape(
+@frame_all_gather.register_fake
+def _frame_all_gather_shape(
     shards: list[torch.Tensor], padded_numels: list[int], param_dtype: torch.dtype, shard_size: int, shard_group_name: str,
+    backward: bool,
 ) -> torch.Tensor:
     return shards[0].new_empty((shard_size * sum(padded_numels),), dtype=param_dtype)
 
@@ -351,41 +332,18 @@ def _deliver_reduce_scatter_late_shape(in_flight: torch.Tensor, reduce_input: to
     return torch.empty_like(late_sinks[0])
 
 
-def frame_prefetched_parameters(in_flight: torch.Tensor, layouts: list[ShardLayout], shard_size: int) -> list[torch.Tensor]:
-    """Traced in the block frame: wait on ``issue_frame_prefetch``'s all-gather and copy each
-    parameter's rows out (one extern copy-out, as a bucket's: [Note: one copy-in and one copy-out per
-    bucket in compiled graphs] in kernels/ops.py), each the ``[world * chunk, ...]`` gather its own
-    all-gather would give."""
-    padded_numels, sizes, ndims = [], [], []
-    for layout in layouts:
-        dim0 = layout.dim0_shape(layout.padded_shard_shape)
-        numel = 1
-        for size in dim0:  # not layout.padded_shard_numel: Dynamo breaks the graph on math.prod of a generator
-            numel *= size
-        padded_numels.append(numel)
-        sizes += [shard_size * dim0[0], *dim0[1:]]
-        ndims.append(len(dim0))
-    rows = _functional.wait_tensor(in_flight).view(shard_size, -1)
-    return list(torch.ops.fsdp_compile.all_gather_copy_out_functional(rows, padded_numels, sizes, ndims))
-
-
 def _unshard_local(
     sharded: torch.Tensor, layout: ShardLayout, param_dtype: torch.dtype, spec: ReduceSpec, annotation: dict[str, object],
     sink: torch.Tensor, requires_gradient_sync: bool, accumulated: torch.Tensor | None,
     deferred: torch.Tensor | None, deferred_sink: torch.Tensor | None, quantize: tuple[torch.dtype, int] | None,
-    prefetched: torch.Tensor | None, late_sink: torch.Tensor | None,
+    late_sink: torch.Tensor | None,
 ) -> torch.Tensor:
     with fx_traceback.annotate(annotation):
         local = layout.to_dim0(sharded.to_local())
         # Always pad (possibly by 0 rows): every rank must trace the same ops (fingerprint check).
         padded = _pad_rows(local, layout.chunk - local.shape[0])
         if not requires_gradient_sync:
-            if prefetched is not None:
-                gathered = torch.ops.fsdp_compile.prefetched_gather(
-                    prefetched, padded.detach(), param_dtype, spec.shard_size, spec.shard_group_name,
-                )
-            else:
-                gathered = _gather(padded.detach(), param_dtype, spec.shard_size, spec.shard_group_name, quantize)
+            gathered = _gather(padded.detach(), param_dtype, spec.shard_size, spec.shard_group_name, quantize)
             return _AccumulateWithoutSync.apply(layout.full_from_gathered(gathered), sink)
         if accumulated is not None:
             accumulated = layout.to_dim0(accumulated)
@@ -393,7 +351,7 @@ def _unshard_local(
         gathered = torch.ops.fsdp_compile.all_gather_shard(
             padded, accumulated, deferred, deferred_sink, param_dtype, spec.reduce_dtype, spec.grad_dtype, spec.pre_divide,
             spec.post_divide, spec.shard_size, spec.wire_dtype, quantize_dtype, quantize_block_size, spec.shard_group_name,
-            spec.replicate_group_name, prefetched, late_sink,
+            spec.replicate_group_name, late_sink,
         )
         return layout.full_from_gathered(gathered)
 

@@ -5,7 +5,7 @@ Each pass is a pure function ``(GraphModule, PassConfig) -> GraphModule`` (DESIG
 - ``recompute.py`` (joint graph): resharding groups re-all-gather in backward.
 - ``bucket.py`` (post-grad): one all-gather / reduce-scatter per ``fully_shard`` group.
 - ``reorder.py`` (post-grad): prefetch all-gathers, wait late, under an in-flight byte budget; then
-  a block frame's backward all-gather takes the prefetch across frames, and its reduce-scatters
+  a block frame's all-gathers (forward and backward) take the prefetch across frames, and its reduce-scatters
   leave the graph in flight, waited in the next block's backward (``recompute.py``).
 - ``dump.py``: ``FSDP_COMPILE_DUMP=dir`` writes graphs and timelines around each pass.
 - ``graph.py``: what they share: collective ops, the FSDP annotation, graph kind, views, bytes in
@@ -28,25 +28,19 @@ def apply_post_grad_passes(gm: fx.GraphModule, config) -> fx.GraphModule:
     from fsdp_compile.passes.bucket import bucket_collectives
     from fsdp_compile.passes.dump import dump_graph
     from fsdp_compile.passes.graph import graph_kind
-    from fsdp_compile.passes.recompute import (
-        deliver_frame_reductions_late, erase_unread_gathers, gather_frame_backward_through_prefetch, read_prefetched_gathers,
-    )
+    from fsdp_compile.passes.recompute import deliver_frame_reductions_late, gather_frames_through_prefetch
     from fsdp_compile.passes.reorder import reorder_collectives
 
     config = config.resolved()
     kind = graph_kind(gm)
-    # [Note: prefetch across block frames] in fsdp_compile/module.py: an inference graph takes the
-    # prefetched parameters here (a joint graph took them before partitioning).
-    if read_prefetched_gathers(gm.graph) + erase_unread_gathers(gm.graph):
-        gm.recompile()
     dump_graph(gm, kind, "0-input", config)
     gm = bucket_collectives(gm, config)
     dump_graph(gm, kind, "1-after-bucket", config)
     gm = reorder_collectives(gm, config)
     dump_graph(gm, kind, "2-after-reorder", config)
-    # [Note: backward prefetch across block frames] in fsdp_compile/module.py: where the reorder pass
-    # placed a block frame's backward all-gather, it takes the one the block after it issued.
-    if kind == "backward" and gather_frame_backward_through_prefetch(gm.graph):
+    # [Note: prefetch across block frames] (and its backward's) in fsdp_compile/module.py: where the
+    # reorder pass placed a block frame's all-gather, it takes the one the block before it issued.
+    if gather_frames_through_prefetch(gm.graph, backward=kind == "backward"):
         gm.graph.lint()
         gm.recompile()
         dump_graph(gm, kind, "3-after-frame-prefetch", config)

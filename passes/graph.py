@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 
 import fsdp_compile.kernels  # noqa: F401 - registers torch.ops.fsdp_compile's copy ops (COPY_IN, COPY_OUT)
-import fsdp_compile.traceable  # noqa: F401 - registers torch.ops.fsdp_compile.prefetched_gather (PREFETCHED_GATHER)
+import fsdp_compile.traceable  # noqa: F401 - registers torch.ops.fsdp_compile's frame ops (FRAME_GATHER, DELIVER_GRADIENT)
 from fsdp_compile.annotations import (
     BLOCK_FRAME_TOKEN, BUCKET_KEY, FSDP_ANNOTATION_KEY, GROUP_KEY, GROUPS_KEY, PARAM_KEY, PARAMS_KEY, RESHARD_AFTER_FORWARD_KEY, STATE_KEY,
 )
@@ -31,7 +31,7 @@ __all__ = [
     "FSDP_ANNOTATION_KEY", "GROUP_KEY", "PARAM_KEY", "RESHARD_AFTER_FORWARD_KEY", "STATE_KEY", "BUCKET_KEY", "GROUPS_KEY", "PARAMS_KEY",
     "BLOCK_FRAME_TOKEN",
     "ALL_GATHER", "REDUCE_SCATTER", "ALL_REDUCE", "WAIT", "COLLECTIVES", "GRADIENT_REDUCTIONS", "COLLECTIVE_NAMES", "FORCE_STRIDE", "COPY_IN", "COPY_OUT",
-    "collective_nodes", "single_wait", "new_node", "node_value", "erase_unused_chain", "PREFETCHED_GATHER", "FRAME_BACKWARD_GATHER", "DELIVER_GRADIENT", "DELIVER_REDUCE_SCATTER_LATE", "fsdp_annotation", "is_tangent", "graph_kind", "is_view", "is_copy",
+    "collective_nodes", "single_wait", "new_node", "node_value", "erase_unused_chain", "FRAME_GATHER", "DELIVER_GRADIENT", "DELIVER_REDUCE_SCATTER_LATE", "fsdp_annotation", "is_tangent", "graph_kind", "is_view", "is_copy",
     "tensor_bytes", "collective_bytes", "inflight_collectives", "inflight_bytes", "max_inflight_bytes",
     "pass_counters", "give_up",
 ]
@@ -43,10 +43,8 @@ REDUCE_SCATTER = _c10d.reduce_scatter_tensor.default
 ALL_REDUCE = _c10d.all_reduce.default  # HSDP: the reduced shard across replicas
 ALL_TO_ALL = _c10d.all_to_all_single.default  # CommPolicy's gradient wire (the reduce-scatter's stand-in)
 WAIT = _c10d.wait_tensor.default
-# A block frame's parameter that the previous block's graph all-gathered (fsdp_compile/traceable.py).
-PREFETCHED_GATHER = torch.ops.fsdp_compile.prefetched_gather.default
-# A block frame's backward all-gather that takes (and issues) prefetches across frames (traceable.py).
-FRAME_BACKWARD_GATHER = torch.ops.fsdp_compile.frame_backward_all_gather.default
+# A block frame's all-gather that takes (and issues) prefetches across frames, in forward or backward (traceable.py).
+FRAME_GATHER = torch.ops.fsdp_compile.frame_all_gather.default
 # A block frame's reduced gradient handed to the runtime, as the graph traces it, and as the post-grad
 # pass leaves a bucket's reduce-scatter, in flight (traceable.py).
 DELIVER_GRADIENT = torch.ops.fsdp_compile.deliver_reduced_gradient.default

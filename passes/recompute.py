@@ -24,14 +24,13 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from fsdp_compile.passes.graph import (
-    ALL_GATHER, BLOCK_FRAME_TOKEN, COPY_IN, DELIVER_GRADIENT, DELIVER_REDUCE_SCATTER_LATE, FRAME_BACKWARD_GATHER, PARAM_KEY, PREFETCHED_GATHER,
-    REDUCE_SCATTER, RESHARD_AFTER_FORWARD_KEY, STATE_KEY, WAIT,
+    ALL_GATHER, BLOCK_FRAME_TOKEN, COPY_IN, DELIVER_GRADIENT, DELIVER_REDUCE_SCATTER_LATE, FRAME_GATHER,
+    REDUCE_SCATTER, RESHARD_AFTER_FORWARD_KEY, STATE_KEY,
     erase_unused_chain, fsdp_annotation, give_up, is_tangent, is_view, new_node, node_value, single_wait,
 )
 
 __all__ = [
-    "tag_reshard_after_forward_for_recompute", "read_region_saved_inputs_directly", "read_prefetched_gathers", "erase_unread_gathers",
-    "gather_frame_backward_through_prefetch", "deliver_frame_reductions_late",
+    "tag_reshard_after_forward_for_recompute", "read_region_saved_inputs_directly", "gather_frames_through_prefetch", "deliver_frame_reductions_late",
 ]
 
 # One id for every tagged region: consecutive tagged nodes never force a save between them.
@@ -109,76 +108,14 @@ def read_region_saved_inputs_directly(graph: fx.Graph) -> int:
     return rerouted
 
 
-def _unshard_chain(gather: fx.Node, backward: set[fx.Node]) -> list[fx.Node]:
-    """The forward nodes, in graph order, that make the full parameter from ``gather``: its views and
-    the ops of the same parameter's traced unshard (annotated alike)."""
-    param = (fsdp_annotation(gather) or {}).get(PARAM_KEY)
-    chain, members = [gather], {gather}
-    frontier = [gather]
-    while frontier:
-        node = frontier.pop()
-        for user in node.users:
-            if user in members or user in backward or user.op != "call_function":
-                continue
-            annotation = fsdp_annotation(user)
-            if is_view(user) or (annotation is not None and annotation.get(PARAM_KEY) == param):
-                members.add(user)
-                chain.append(user)
-                frontier.append(user)
-    position = {node: index for index, node in enumerate(gather.graph.nodes)}
-    return sorted(chain, key=position.__getitem__)
-
-
-def read_prefetched_gathers(graph: fx.Graph) -> int:
-    """See [Note: prefetch across block frames] in fsdp_compile/module.py: a block frame reads the
-    gathered parameters the previous block's graph all-gathered (``fsdp_compile::prefetched_gather``
-    nodes). Its forward reads the prefetched tensor, a graph input. Where its backward reads the
-    parameter too and the group reshards after forward, it reads a fresh all-gather of the padded
-    shard instead (with copies of the ops between), which ``tag_reshard_after_forward_for_recompute``
-    then makes recomputed in backward, so the prefetched tensor is never saved::
-
-        before:  prefetched -> prefetched_gather(prefetched, shard) -> view -> mm, mm_backward
-        after:   prefetched -> view -> mm
-                 shard -> [all_gather -> wait -> view]^recompute -> mm_backward
-
-    In a graph without backward (inference, or the partitioned graphs of a backend that did not run
-    this on the joint graph) every read takes the prefetched tensor. Returns how many were rewritten.
-    """
-    gathers = list(graph.find_nodes(op="call_function", target=PREFETCHED_GATHER))
-    if not gathers:
-        return 0
-    backward = _backward_nodes(graph)
-    for gather in gathers:
-        prefetched, padded, param_dtype, shard_size, group_name = gather.args
-        annotation = fsdp_annotation(gather)
-        if annotation is not None and annotation.get(RESHARD_AFTER_FORWARD_KEY):
-            chain = _unshard_chain(gather, backward)
-            backward_reads = [(user, node) for node in chain for user in node.users if user in backward]
-            if backward_reads:
-                with graph.inserting_before(gather):
-                    sent = padded
-                    if node_value(padded).dtype != param_dtype:
-                        sent = new_node(graph, torch.ops.prims.convert_element_type.default, (padded, param_dtype), annotation)
-                    gathered = new_node(graph, ALL_GATHER, (sent, shard_size, group_name), annotation)
-                    regathered = {gather: new_node(graph, WAIT, (gathered,), annotation)}
-                for node in chain[1:]:
-                    with graph.inserting_after(node):
-                        regathered[node] = graph.node_copy(node, lambda arg: regathered.get(arg, arg))
-                for user, node in backward_reads:
-                    user.replace_input_with(node, regathered[node])
-        gather.replace_all_uses_with(prefetched)
-        graph.erase_node(gather)
-    return len(gathers)
-
-
-def gather_frame_backward_through_prefetch(graph: fx.Graph) -> int:
-    """See [Note: backward prefetch across block frames] in fsdp_compile/module.py: in a block frame's
-    backward graph (post-grad, bucketed and reordered), the group's copy-in and all-gather become one
-    ``fsdp_compile::frame_backward_all_gather`` call on the same shards, in the same place; the wait
-    stays where the reorder pass put it::
+def gather_frames_through_prefetch(graph: fx.Graph, backward: bool) -> int:
+    """See [Note: prefetch across block frames] and [Note: backward prefetch across block frames] in
+    fsdp_compile/module.py: in a block frame's forward or backward graph (post-grad, bucketed and
+    reordered), the group's copy-in and all-gather become one ``fsdp_compile::frame_all_gather`` call
+    on the same shards, in the same place; the wait stays where the reorder pass put it::
 
         before:  shards -> copy_in -> all_gather -> ... wait -> copy_out
-        after:   shards -> frame_backward_all_gather -> ... wait -> copy_out
+        after:   shards -> frame_all_gather -> ... wait -> copy_out
 
     Only a block frame's all-gather (``STATE_KEY`` is ``BLOCK_FRAME_TOKEN``) whose input is the
     copy-in of its shards, or a lone parameter's flattened shard with at most a cast and rows of
@@ -202,7 +139,7 @@ def gather_frame_backward_through_prefetch(graph: fx.Graph) -> int:
         else:
             continue
         with graph.inserting_before(gather):
-            issued = new_node(graph, FRAME_BACKWARD_GATHER, (shards, padded_numels, dtype, shard_size, group_name), annotation)
+            issued = new_node(graph, FRAME_GATHER, (shards, padded_numels, dtype, shard_size, group_name, backward), annotation)
         gather.replace_all_uses_with(issued)
         graph.erase_node(gather)
         erase_unused_chain(graph, sent)  # the copy-in (or the pad and cast) the call does now
@@ -287,27 +224,9 @@ def deliver_frame_reductions_late(graph: fx.Graph) -> int:
     return rewritten
 
 
-def erase_unread_gathers(graph: fx.Graph) -> int:
-    """Erase FSDP all-gathers whose result nothing reads, with the inputs only they read; returns how
-    many. The partitioner copies the re-gather ``read_prefetched_gathers`` adds for backward into
-    the forward graph as well, unread there: a collective is never dead code to FX."""
-    erased = 0
-    for wait in list(graph.find_nodes(op="call_function", target=WAIT)):
-        gather = wait.args[0]
-        if wait.users or gather.target is not ALL_GATHER or len(gather.users) != 1 or fsdp_annotation(gather) is None:
-            continue
-        sent = gather.args[0]
-        graph.erase_node(wait)
-        graph.erase_node(gather)
-        erase_unused_chain(graph, sent)
-        erased += 1
-    return erased
-
-
 def tag_reshard_after_forward_for_recompute(graph: fx.Graph) -> int:
     """Tag forward unshard chains of resharding groups ``MUST_RECOMPUTE``; returns how many nodes."""
     read_region_saved_inputs_directly(graph)
-    read_prefetched_gathers(graph)
     backward = _backward_nodes(graph)
     tagged: list[fx.Node] = []
     for node in graph.nodes:

@@ -19,8 +19,8 @@ from fsdp_compile import MixedPrecisionPolicy
 from fsdp_compile.backend import observe_graphs
 from fsdp_compile.models import Transformer, TransformerBlock, TransformerConfig
 from fsdp_compile.param_group import FSDPParamGroup
-from fsdp_compile.passes.graph import ALL_GATHER, DELIVER_REDUCE_SCATTER_LATE, FRAME_BACKWARD_GATHER, GROUP_KEY, REDUCE_SCATTER, WAIT, fsdp_annotation
-from fsdp_compile.state import FSDPState, block_frame_in_trace
+from fsdp_compile.passes.graph import ALL_GATHER, DELIVER_REDUCE_SCATTER_LATE, FRAME_GATHER, GROUP_KEY, REDUCE_SCATTER, WAIT, fsdp_annotation
+from fsdp_compile.state import _FrameGather, live_states
 from torch.utils.checkpoint import checkpoint
 from fsdp_testing import blocks_as_frames
 from test_compile_blocks import _IndexedBlock, _modules_run_eagerly, _param_gap, _shard, _tokens, _train, steady_state_schedule
@@ -52,59 +52,52 @@ def _collectives_per_step(model: nn.Module, runner: nn.Module, steps: int) -> li
     return counted
 
 
-@contextlib.contextmanager
-def _prefetches_issued():
-    """Each block frame entered, with the blocks whose all-gathers were issued as it was entered."""
-    issue = FSDPState._issue_frame_prefetch
-    entries: list[tuple[str, list[str]]] = []
-
-    def recorded(state: FSDPState) -> None:
-        entered = block_frame_in_trace().label
-        if not entries or entries[-1][0] != entered or state.label in entries[-1][1]:
-            entries.append((entered, []))
-        entries[-1][1].append(state.label)
-        issue(state)
-
-    FSDPState._issue_frame_prefetch = recorded
-    try:
-        yield entries
-    finally:
-        FSDPState._issue_frame_prefetch = issue
+def _owner(gather: _FrameGather) -> tuple[str, bool]:
+    """The block label and direction (backward: True) of a block's ``_FrameGather``."""
+    for state in live_states():
+        if gather in state.frame_gathers:
+            return state.label, state.frame_gathers.index(gather) == 1
+    raise AssertionError("a frame gather of no live block")
 
 
 @contextlib.contextmanager
-def _backward_gathers():
-    """In backward, each block frame's all-gather as its graph asks for it (whether one was prefetched
-    for it) and each all-gather issued for the block whose backward runs next."""
-    take, issue = FSDPState._take_backward_prefetch, FSDPState._issue_backward_prefetch
-    events: list[tuple[str, str, bool]] = []
+def _frame_gathers():
+    """In forward and backward, each block frame's all-gather as its graph asks for it (whether one
+    was issued for it ahead), and each all-gather issued ahead for the block whose graph runs next;
+    by direction (forward: False, backward: True)."""
+    take, issue = _FrameGather.take, _FrameGather.issue_ahead
+    events: dict[bool, list[tuple[str, str, bool]]] = {False: [], True: []}
 
-    def taken(state: FSDPState, shards: list[torch.Tensor]) -> torch.Tensor | None:
-        in_flight = take(state, shards)
-        events.append(("gathers", state.label, in_flight is not None))
+    def taken(gather: _FrameGather, shards: list[torch.Tensor]) -> torch.Tensor | None:
+        in_flight = take(gather, shards)
+        label, backward = _owner(gather)
+        events[backward].append(("gathers", label, in_flight is not None))
         return in_flight
 
-    def issued(state: FSDPState) -> None:
-        issue(state)
-        if state._backward_prefetched is not None:
-            events.append(("prefetches", state.label, True))
+    def issued(gather: _FrameGather, group) -> None:
+        before = gather.in_flight
+        issue(gather, group)
+        if gather.in_flight is not None and gather.in_flight is not before:
+            label, backward = _owner(gather)
+            events[backward].append(("prefetches", label, True))
 
-    FSDPState._take_backward_prefetch, FSDPState._issue_backward_prefetch = taken, issued
+    _FrameGather.take, _FrameGather.issue_ahead = taken, issued
     try:
         yield events
     finally:
-        FSDPState._take_backward_prefetch, FSDPState._issue_backward_prefetch = take, issue
+        _FrameGather.take, _FrameGather.issue_ahead = take, issue
 
 
-def _backward_prefetch_chain(labels: list[str]) -> list[tuple[str, str, bool]]:
-    """Two steps' backwards. The first: each block gathers its own (what its backward graph gathers is
-    learned then). The second: the last block gathers its own and prefetches the one before it; every
-    other block takes its prefetch and prefetches the one before it, none before the first."""
-    chain = [("gathers", label, False) for label in reversed(labels)]
-    for position, label in enumerate(reversed(labels)):
+def _prefetch_chain(order: list[str]) -> list[tuple[str, str, bool]]:
+    """Two steps' all-gathers of the blocks' graphs, run in ``order`` (forward: the blocks' order;
+    backward: the reverse). The first step: each block gathers its own (what its graph gathers is
+    learned then). The second: the first block gathers its own and prefetches the next one; every
+    other block takes its prefetch and prefetches the next one, none after the last."""
+    chain = [("gathers", label, False) for label in order]
+    for position, label in enumerate(order):
         chain.append(("gathers", label, position > 0))
-        if position < len(labels) - 1:
-            chain.append(("prefetches", labels[-2 - position], True))
+        if position < len(order) - 1:
+            chain.append(("prefetches", order[position + 1], True))
     return chain
 
 
@@ -114,13 +107,13 @@ def _frames_against_eager(layers: int, backend: str, param_dtype_name: str | Non
     policy = MixedPrecisionPolicy(param_dtype=getattr(torch, param_dtype_name) if param_dtype_name else None)
     reference = _model(layers, distinct_first)
     eager, compiled = _shard(copy.deepcopy(reference), policy), _shard(copy.deepcopy(reference), policy)
-    with blocks_as_frames(), observe_graphs() as graphs, _prefetches_issued() as issued, _backward_gathers() as backward:
+    with blocks_as_frames(), observe_graphs() as graphs, _frame_gathers() as gathers:
         runner = torch.compile(compiled, backend=backend)
         compiled_collectives = _collectives_per_step(compiled, runner, 2)
-        backward_of_two_steps = list(backward)
+        gathers_of_two_steps = {backward: list(events) for backward, events in gathers.items()}
         compiled_losses = _train(runner, 2, seed=7)
     forwards = [g for kind, g in graphs if kind == "forward"]
-    frame_forwards = [g for g in forwards if _matmuls(g) and _waits_on_inputs(g)]
+    frame_forwards = [g for g in forwards if _first(g, FRAME_GATHER) < float("inf")]
     # One backward per compiled block frame: the one that reduce-scatters its block's gradients.
     frame_backwards = [g for kind, g in graphs if kind == "backward" and _groups_reduced(g) & {FRAME, FIRST_FRAME}]
     return {
@@ -130,12 +123,13 @@ def _frames_against_eager(layers: int, backend: str, param_dtype_name: str | Non
         "saved_gathered": sorted({group for g in forwards for group in _saved_all_gather_outputs(g)}),
         "frame_backwards_regather": [bool(_groups_gathered(g) & {FRAME, FIRST_FRAME}) for g in frame_backwards],
         # Where each block frame's backward graph gathers, taking a prefetch: before its first matmul.
-        "frame_backwards_gather_before_compute": [_first(g, FRAME_BACKWARD_GATHER) < _matmuls(g)[0] for g in frame_backwards],
-        # The last step's forward: each block frame entered, and the all-gathers issued as it was.
-        "issued_at_entry": issued[1 - layers:],
-        "backward_gathers": backward_of_two_steps,
-        "frame_forwards_gather": [bool(_groups_gathered(g)) for g in frame_forwards],
-        "frame_forwards_wait_before_compute": [_waits_on_inputs(g)[0] < _matmuls(g)[0] for g in frame_forwards],
+        "frame_backwards_gather_before_compute": [_first(g, FRAME_GATHER) < _matmuls(g)[0] for g in frame_backwards],
+        "forward_gathers": gathers_of_two_steps[False],
+        "backward_gathers": gathers_of_two_steps[True],
+        # Each block frame's forward graph: the groups it gathers, and whether its all-gather (a graph
+        # node, which takes the prefetch and issues the next block's) comes before its first matmul.
+        "frame_forwards_gather": [sorted(_groups_gathered(g)) for g in frame_forwards],
+        "frame_forwards_gather_before_compute": [_first(g, FRAME_GATHER) < _matmuls(g)[0] for g in frame_forwards],
         "compiled_collectives": compiled_collectives,
         "eager_collectives": _collectives_per_step(eager, eager, 2),
         "compiled_losses": compiled_losses,
@@ -145,9 +139,9 @@ def _frames_against_eager(layers: int, backend: str, param_dtype_name: str | Non
 
 
 def _groups_gathered(graph: torch.fx.GraphModule) -> set[str]:
-    """The groups an all-gather of the graph gathers (a graph node, or a block frame's backward
-    all-gather that takes a prefetch: [Note: backward prefetch across block frames])."""
-    gathers = (ALL_GATHER, FRAME_BACKWARD_GATHER)
+    """The groups an all-gather of the graph gathers (a graph node, or a block frame's all-gather that
+    takes a prefetch: [Note: prefetch across block frames])."""
+    gathers = (ALL_GATHER, FRAME_GATHER)
     return {fsdp_annotation(n)[GROUP_KEY] for n in graph.graph.nodes if n.target in gathers and fsdp_annotation(n)}
 
 
@@ -162,19 +156,6 @@ def _first(graph: torch.fx.GraphModule, target: object) -> float:
 def _matmuls(graph: torch.fx.GraphModule) -> list[int]:
     matmul = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
     return [i for i, n in enumerate(graph.graph.nodes) if n.target in matmul]
-
-
-def _waits_on_inputs(graph: torch.fx.GraphModule) -> list[int]:
-    """Where the graph waits on a collective issued before it ran (a graph input)."""
-    return [i for i, n in enumerate(graph.graph.nodes) if n.target is WAIT and n.args[0].op == "placeholder"]
-
-
-def _prefetch_chain(labels: list[str]) -> list[tuple[str, list[str]]]:
-    """The all-gathers issued as each block frame is entered: the first block's own and the next
-    block's, then each next block's, none at the last."""
-    chain = [(label, [following]) for label, following in zip(labels, labels[1:])] + [(labels[-1], [])]
-    chain[0][1].insert(0, labels[0])
-    return [(label, issued) for label, issued in chain if issued]
 
 
 def _assert_trains_like_eager(result: dict, tolerance: float) -> None:
@@ -195,16 +176,16 @@ def test_blocks_as_frames_compile_one_graph_for_two_or_twelve_blocks_with_eagers
         # Nothing unsharded of a block is saved for backward: every block frame's backward gathers
         # its block again, and reduce-scatters it.
         assert FRAME not in result["saved_gathered"] and all(result["frame_backwards_regather"]), result
-        # Block i+1's all-gather is issued as block i's frame is entered, before its graph (and first
-        # matmul) runs; the frame's graph gathers nothing in forward and waits on its in-flight
-        # all-gather before its first matmul.
+        # In forward, the one frame graph holds its block's all-gather, a graph node before its first
+        # matmul; where it runs, block i takes the all-gather block i-1 issued for it and issues block
+        # i+1's, so block i+1's all-gather is in flight before block i's first matmul: from the second
+        # step on, once each block's all-gather is known ([Note: prefetch across block frames]).
         labels = [f"layers.{index}" for index in range(result["layers"])]
-        assert result["issued_at_entry"] == _prefetch_chain(labels), result
-        assert result["frame_forwards_gather"] == [False] and all(result["frame_forwards_wait_before_compute"]), result
+        assert result["forward_gathers"] == _prefetch_chain(labels), result
+        assert result["frame_forwards_gather"] == [[FRAME]] and all(result["frame_forwards_gather_before_compute"]), result
         # In backward, block i-1's all-gather is issued where block i's graph gathers (at its start, before
-        # its first matmul), and block i-1's graph takes it: from the second step on, once each block's
-        # backward all-gather is known ([Note: backward prefetch across block frames]).
-        assert result["backward_gathers"] == _backward_prefetch_chain(labels), result
+        # its first matmul), and block i-1's graph takes it ([Note: backward prefetch across block frames]).
+        assert result["backward_gathers"] == _prefetch_chain(labels[::-1]), result
         assert all(result["frame_backwards_gather_before_compute"]), result
     # One block frame at any depth, not one per block: the first, the last and every other block
     # take the same graph. Twelve blocks compile no graph more than two.
@@ -219,10 +200,12 @@ def test_blocks_as_frames_match_eager_with_a_distinct_first_block(dist, backend,
     assert result["compiled_collectives"] == result["eager_collectives"], result
     # Each distinct block frame compiles once: the distinct first block, and the others.
     assert result["frame_graphs"] == 2 and all(result["frame_backwards_regather"]), result
-    assert result["issued_at_entry"] == _prefetch_chain(["layers.0", "layers.1", "layers.2"]), result
-    assert result["frame_forwards_gather"] == [False, False] and all(result["frame_forwards_wait_before_compute"]), result
-    # The backward prefetch crosses from one structure's graph to the other's.
-    assert result["backward_gathers"] == _backward_prefetch_chain(["layers.0", "layers.1", "layers.2"]), result
+    # The prefetches cross from one structure's graph to the other's, in forward and backward.
+    labels = ["layers.0", "layers.1", "layers.2"]
+    assert result["forward_gathers"] == _prefetch_chain(labels), result
+    assert sorted(result["frame_forwards_gather"]) == [[FRAME], [FIRST_FRAME]], result
+    assert all(result["frame_forwards_gather_before_compute"]), result
+    assert result["backward_gathers"] == _prefetch_chain(labels[::-1]), result
     assert all(result["frame_backwards_gather_before_compute"]), result
 
 
@@ -261,7 +244,7 @@ def _self_checkpointing_blocks_against_eager(layers: int):
     with torch.no_grad():
         eager_eval = eager.eval()(tokens)
     frame_backwards = [g for kind, g in graphs if kind == "backward" and SELF_CHECKPOINTING_FRAME in _groups_reduced(g)]
-    frame_forwards = [g for kind, g in graphs if kind == "forward" and _matmuls(g) and _waits_on_inputs(g)]
+    frame_forwards = [g for kind, g in graphs if kind == "forward" and SELF_CHECKPOINTING_FRAME in _groups_gathered(g)]
     return {
         "unique_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
         "frame_graphs": len(frame_backwards),
@@ -353,7 +336,8 @@ def _backward_gathers_after_a_step_that_skips_a_block() -> list[tuple[str, str, 
     model = _SkippingTransformer(TransformerConfig(vocab_size=32, dim=16, n_layers=3, n_heads=2, max_seq_len=16))
     model.skip = frozenset()
     _shard(model, MixedPrecisionPolicy())
-    with blocks_as_frames(), _backward_gathers() as events:
+    with blocks_as_frames(), _frame_gathers() as gathers:
+        events = gathers[True]
         runner = torch.compile(model, backend="fsdp_aot_eager")
         _train(runner, 2)
         model.skip = frozenset({1})
@@ -370,19 +354,21 @@ def test_backward_prefetch_follows_the_blocks_again_after_a_step_that_skipped_on
     # forward before it in the last forward, also once the order changed and changed back.
     events = dist.run(2, _backward_gathers_after_a_step_that_skips_a_block)[0]
     labels = ["layers.0", "layers.1", "layers.2"]
-    assert events == _backward_prefetch_chain(labels)[len(labels):], events
+    assert events == _prefetch_chain(labels[::-1])[len(labels):], events
 
 
 @contextlib.contextmanager
 def _reductions_handed_over():
     """In backward, each block frame's all-gather as its graph asks for it, each reduce-scatter a
     block frame's graph hands over in flight, and each landed into its gradients."""
-    take, hold, finish = FSDPState._take_backward_prefetch, FSDPParamGroup.hold_reduction, FSDPParamGroup.finish_reduction
+    take, hold, finish = _FrameGather.take, FSDPParamGroup.hold_reduction, FSDPParamGroup.finish_reduction
     events: list[tuple[str, str]] = []
 
-    def taken(state: FSDPState, shards: list[torch.Tensor]) -> torch.Tensor | None:
-        events.append(("gathers", state.label))
-        return take(state, shards)
+    def taken(gather: _FrameGather, shards: list[torch.Tensor]) -> torch.Tensor | None:
+        label, backward = _owner(gather)
+        if backward:
+            events.append(("gathers", label))
+        return take(gather, shards)
 
     def held(group: FSDPParamGroup, params, pending) -> None:
         events.append(("hands over", group.label))
@@ -392,11 +378,11 @@ def _reductions_handed_over():
         events.append(("lands", group.label))
         finish(group)
 
-    FSDPState._take_backward_prefetch, FSDPParamGroup.hold_reduction, FSDPParamGroup.finish_reduction = taken, held, landed
+    _FrameGather.take, FSDPParamGroup.hold_reduction, FSDPParamGroup.finish_reduction = taken, held, landed
     try:
         yield events
     finally:
-        FSDPState._take_backward_prefetch, FSDPParamGroup.hold_reduction, FSDPParamGroup.finish_reduction = take, hold, finish
+        _FrameGather.take, FSDPParamGroup.hold_reduction, FSDPParamGroup.finish_reduction = take, hold, finish
 
 
 def _late_reduce_scatter_waits():

@@ -580,8 +580,8 @@ def test_whole_model_frames_run_eagerly_get_the_eager_hooks_and_train_like_eager
         ), result
     if case != "backend_fails":
         assert result["backend_warnings"] == [], result
-    # A block whose frame runs eagerly reads the all-gather issued as the frame was entered (its eager
-    # hooks gathered again before: 11 all-gathers a step where eager training issues 7). Where the
+    # A block whose frame runs eagerly reads the all-gather the block before it issued ahead, if any
+    # (its eager hooks gathered again before: 11 all-gathers a step where eager training issues 7). Where the
     # backend fails, the root group's first read, in a small graph of its own that the backend fails
     # on too, gathers and reduces each of the root's 2 parameters alone: one of each more than eager.
     eager, compiled = result["eager_collectives"], result["compiled_collectives"]

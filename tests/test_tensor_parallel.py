@@ -587,7 +587,7 @@ def _compiled_tp_parity():
     """The whole model under fsdp_aot_eager (fsdp_inductor's tracing, checks and passes without code
     generation) against eager and the single-process reference; what the graphs hold."""
     from fsdp_compile.backend import observe_graphs
-    from fsdp_compile.passes.graph import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, collective_nodes, fsdp_annotation
+    from fsdp_compile.passes.graph import ALL_GATHER, ALL_REDUCE, FRAME_GATHER, REDUCE_SCATTER, collective_nodes, fsdp_annotation
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
@@ -604,8 +604,10 @@ def _compiled_tp_parity():
     kinds = {}
     for kind, gm in graphs:
         if kind in ("forward", "backward"):
-            for name, target in (("all_gather", ALL_GATHER), ("reduce_scatter", REDUCE_SCATTER), ("all_reduce", ALL_REDUCE)):
-                for node in collective_nodes(gm.graph, target):
+            # A block frame's all-gather is one opaque call after the passes ([Note: prefetch across
+            # block frames] in module.py), an all-gather still.
+            for name, targets in (("all_gather", (ALL_GATHER, FRAME_GATHER)), ("reduce_scatter", (REDUCE_SCATTER,)), ("all_reduce", (ALL_REDUCE,))):
+                for node in (node for target in targets for node in collective_nodes(gm.graph, target)):
                     owner = "fsdp" if fsdp_annotation(node) is not None else "tp"
                     kinds[(kind, owner, name)] = kinds.get((kind, owner, name), 0) + 1
     counters = torch._dynamo.utils.counters
@@ -629,6 +631,7 @@ def test_compiled_fsdp_over_tp_holds_both_kinds_of_collectives_and_matches_eager
     # block and one reduce-scatter per group in backward. TP's own: the rowwise all-reduces
     # (attention.wo, feed_forward.w2) forward, the colwise input-gradient ones backward.
     assert kinds[("forward", "fsdp", "all_gather")] == 2 and kinds[("backward", "fsdp", "reduce_scatter")] == 2, kinds
+    assert kinds[("backward", "fsdp", "all_gather")] == 1, kinds
     assert kinds[("forward", "tp", "all_reduce")] == 2 and kinds.get(("backward", "tp", "all_reduce"), 0) >= 2, kinds
     assert not any(owner == "tp" and name != "all_reduce" for _, owner, name in kinds), kinds
 
