@@ -315,6 +315,59 @@ def test_block_frames_dynamo_runs_eagerly_get_the_eager_hooks_and_train_like_eag
         assert result["prefetch_warnings"] == [], result
 
 
+@contextlib.contextmanager
+def _adoptions():
+    """The groups whose eager hooks took an all-gather issued for them elsewhere (FSDPParamGroup.adopt_all_gather)."""
+    adopt = FSDPParamGroup.adopt_all_gather
+    adopted: list[str] = []
+
+    def recorded(group: FSDPParamGroup, gathered: torch.Tensor) -> bool:
+        took = adopt(group, gathered)
+        if took:
+            adopted.append(group.label)
+        return took
+
+    FSDPParamGroup.adopt_all_gather = recorded
+    try:
+        yield adopted
+    finally:
+        FSDPParamGroup.adopt_all_gather = adopt
+
+
+def _a_block_disabled_after_its_frame_compiled():
+    torch._dynamo.reset()
+    reference = _model(3)
+    eager, compiled = _shard(copy.deepcopy(reference), MixedPrecisionPolicy()), _shard(copy.deepcopy(reference), MixedPrecisionPolicy())
+    with blocks_as_frames():
+        runner = torch.compile(compiled, backend="fsdp_aot_eager")
+        compiled_losses = _train(runner, 2, seed=7)  # every block's forward all-gather learned
+        compiled.layers[1].forward = torch.compiler.disable(compiled.layers[1].forward)
+        with _adoptions() as adopted, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            compiled_collectives = _collectives_per_step(compiled, runner, 2)
+    return {
+        "compiled_losses": compiled_losses,
+        "eager_losses": _train(eager, 2, seed=7),
+        "compiled_collectives": compiled_collectives,
+        "eager_collectives": _collectives_per_step(eager, eager, 2),
+        "adopted": adopted,
+        "eager_frames": _modules_run_eagerly(caught),
+        "param_gap": _param_gap(eager, compiled),
+    }
+
+
+def test_a_block_frame_run_eagerly_takes_the_all_gather_the_block_before_it_issued(dist):
+    """[Note: frames Dynamo runs eagerly] in fsdp_compile/module.py: once the frames have learned what
+    each block gathers, block 0's graph issues block 1's all-gather ahead. Where block 1 then runs
+    eagerly (disabled after two compiled steps), its eager hooks take that all-gather instead of
+    issuing one more: the collectives of each step equal eager training's, and so does training."""
+    result = dist.run(2, _a_block_disabled_after_its_frame_compiled)[0]
+    _assert_trains_like_eager(result, 1e-5)
+    assert result["eager_frames"] == ["layers.1"], result
+    assert result["compiled_collectives"] == result["eager_collectives"], result
+    assert result["adopted"][:1] == ["layers.1"], result
+
+
 class _SkippingTransformer(Transformer):
     """Runs every block but those whose index is in ``skip``, as a training loop that drops layers."""
 
