@@ -49,11 +49,15 @@ FRAME_GATHER = torch.ops.fsdp_compile.frame_all_gather.default
 # pass leaves a bucket's reduce-scatter, in flight (traceable.py).
 DELIVER_GRADIENT = torch.ops.fsdp_compile.deliver_reduced_gradient.default
 DELIVER_REDUCE_SCATTER_LATE = torch.ops.fsdp_compile.deliver_reduce_scatter_late.default
-COLLECTIVES = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, ALL_TO_ALL)  # what issues work that a WAIT completes
+# What issues work that a WAIT completes; a block frame's all-gather is one only after the passes
+# have bucketed and placed it, so they never meet it.
+COLLECTIVES = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, ALL_TO_ALL, FRAME_GATHER)
 # The reductions of gradients: a reduce-scatter, or CommPolicy's low-precision wire (an all-to-all
 # whose received chunks each rank sums); both issue after their bucket's last gradient.
 GRADIENT_REDUCTIONS = (REDUCE_SCATTER, ALL_TO_ALL)
-COLLECTIVE_NAMES = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_REDUCE: "all_reduce", ALL_TO_ALL: "all_to_all"}
+COLLECTIVE_NAMES = {
+    ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_REDUCE: "all_reduce", ALL_TO_ALL: "all_to_all", FRAME_GATHER: "all_gather",
+}
 
 
 def _force_stride_op() -> Any:

@@ -19,6 +19,7 @@ from fsdp_compile import MixedPrecisionPolicy
 from fsdp_compile.backend import observe_graphs
 from fsdp_compile.models import Transformer, TransformerBlock, TransformerConfig
 from fsdp_compile.param_group import FSDPParamGroup
+from fsdp_compile.passes.dump import collective_timeline
 from fsdp_compile.passes.graph import ALL_GATHER, DELIVER_REDUCE_SCATTER_LATE, FRAME_GATHER, GROUP_KEY, REDUCE_SCATTER, WAIT, fsdp_annotation
 from fsdp_compile.state import _FrameGather, live_states
 from torch.utils.checkpoint import checkpoint
@@ -130,6 +131,9 @@ def _frames_against_eager(layers: int, backend: str, param_dtype_name: str | Non
         # node, which takes the prefetch and issues the next block's) comes before its first matmul.
         "frame_forwards_gather": [sorted(_groups_gathered(g)) for g in frame_forwards],
         "frame_forwards_gather_before_compute": [_first(g, FRAME_GATHER) < _matmuls(g)[0] for g in frame_forwards],
+        # The dump's timeline (FSDP_COMPILE_DUMP) shows that call as the block's all-gather, issued
+        # and in flight before the first matmul.
+        "frame_forward_timelines": [_timeline_gathers_before_first_matmul(g, FRAME) for g in frame_forwards],
         "compiled_collectives": compiled_collectives,
         "eager_collectives": _collectives_per_step(eager, eager, 2),
         "compiled_losses": compiled_losses,
@@ -143,6 +147,18 @@ def _groups_gathered(graph: torch.fx.GraphModule) -> set[str]:
     takes a prefetch: [Note: prefetch across block frames])."""
     gathers = (ALL_GATHER, FRAME_GATHER)
     return {fsdp_annotation(n)[GROUP_KEY] for n in graph.graph.nodes if n.target in gathers and fsdp_annotation(n)}
+
+
+def _timeline_gathers_before_first_matmul(graph: torch.fx.GraphModule, group: str) -> list[str]:
+    """The dump timeline's all-gather events of ``group`` before the graph's first matmul."""
+    events = []
+    for line in collective_timeline(graph).splitlines():
+        event = line[7:]  # after the node's index
+        if event.startswith(("comp   mm ", "comp   addmm ")):
+            break
+        if event.startswith(("issue  all_gather ", "wait   all_gather ")) and group in event:
+            events.append(event.split()[0])
+    return events
 
 
 def _groups_reduced(graph: torch.fx.GraphModule) -> set[str]:
@@ -183,6 +199,7 @@ def test_blocks_as_frames_compile_one_graph_for_two_or_twelve_blocks_with_eagers
         labels = [f"layers.{index}" for index in range(result["layers"])]
         assert result["forward_gathers"] == _prefetch_chain(labels), result
         assert result["frame_forwards_gather"] == [[FRAME]] and all(result["frame_forwards_gather_before_compute"]), result
+        assert result["frame_forward_timelines"] == [["issue", "wait"]], result
         # In backward, block i-1's all-gather is issued where block i's graph gathers (at its start, before
         # its first matmul), and block i-1's graph takes it ([Note: backward prefetch across block frames]).
         assert result["backward_gathers"] == _prefetch_chain(labels[::-1]), result
