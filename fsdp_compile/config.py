@@ -23,13 +23,14 @@ graph_check_timeout_s: float = 300.0
 # and compiled inline, as one graph.
 compile_blocks_once: bool = True
 
-# Under fsdp_inductor (and fsdp_aot_eager), a whole-model torch.compile compiles each block as a Dynamo
-# frame of its own, one graph for all identical blocks (compile time flat with depth): its graph
-# all-gathers the block (a node that takes the all-gather the block before it issued ahead, and issues
-# the next block's), and its backward gathers again and reduce-scatters in its graph. On by default; False: the whole model is one graph,
-# each block a nested compile region of it (compile_blocks_once), its collectives graph nodes that the
-# passes bucket and reorder across blocks, at a compile time that grows with depth. fullgraph=True,
-# which allows no frame, keeps the regions; see [Note: blocks compiled as frames] in module.py.
+# Under fsdp_inductor (and fsdp_aot_eager), a whole-model torch.compile compiles each block as a
+# Dynamo frame of its own, one graph for all identical blocks (compile time flat with depth): its
+# graph all-gathers the block (a node that takes the all-gather the block before it issued ahead, and
+# issues the next block's), and its backward gathers again and reduce-scatters in its graph. On by
+# default; False: the whole model is one graph, each block a nested compile region of it
+# (compile_blocks_once), its collectives graph nodes that the passes bucket and reorder across blocks,
+# at a compile time that grows with depth. fullgraph=True, which allows no frame, keeps the regions;
+# see [Note: blocks compiled as frames] in module.py.
 compile_blocks_as_frames: bool = True
 
 

@@ -520,40 +520,40 @@ def _forward_reparametrized(
 
 
 # [Note: blocks compiled as frames]
-# A region still costs the whole-model trace something per block: Dynamo traces each block's
-# parameter reads and checks the reuse of its body, AOTAutograd partitions a joint graph holding every
-# block's collectives, Inductor lowers them; the 16-layer benchmark model compiled in 2.6x the time of
-# PyTorch FSDP2's per-block compile, growing 0.65 s per layer. With config.compile_blocks_as_frames,
-# a block's forward instead breaks the caller's graph (state.eager_enter_block_frame, a
-# torch.compiler.disable'd call) and the rest of it is a Dynamo frame of its own: its graph reads the
-# block's shards, all-gathers the group before the body (a graph node that takes the prefetch across
-# frames: [Note: prefetch across block frames]), and its backward holds the group's reduce-scatter, with a resharding block gathering again in
-# backward (passes/recompute.py, as for any graph). Dynamo keys compiled frames by code object, and
-# this code is every block's: a block whose guards hold on the first one's graph runs that graph, so
-# compile time stays flat with depth; blocks that differ compile a graph per structure, each structure
-# with its own recompile budget ([Note: a recompile limit per block structure] in backend.py). Nothing
-# in the trace may then tell blocks apart: the annotations
-# name the block's class (frame_label) and a shared token rather than the group's label and state,
-# and the backend learns which block it admits from the eager call that entered the frame
-# (block_frame_in_trace). The groups outside blocks (the root) are read in several graphs, the
-# frames splitting their forward: the first read in a forward gathers the whole group and hands the
-# unsharded parameters to later graphs (FSDPState.unsharded_across_frames), so each group still
-# gathers and reduces once per step. The root's own hooks hand their bookkeeping (staging no-sync
-# sums, the handoff) to an eager call as well: traced, their walk over every group cost compile time
-# and guards per block. A frame Dynamo gives up on (recompile limit, a skipped frame) runs with the
-# eager hooks, as any block ([Note: frames Dynamo runs eagerly]). A read of a group outside blocks
-# that runs eagerly under the compiled model (Dynamo skips the read's code once a trace of it held no
-# op, as the eager fallback's does) gathers that group in a small graph of its own
+# A region still costs the whole-model trace something per block: Dynamo traces each block's parameter
+# reads and checks the reuse of its body, AOTAutograd partitions a joint graph holding every block's
+# collectives, Inductor lowers them; the 16-layer benchmark model compiled in 2.6x the time of PyTorch
+# FSDP2's per-block compile, growing 0.65 s per layer. With config.compile_blocks_as_frames, a block's
+# forward instead breaks the caller's graph (state.eager_enter_block_frame, a torch.compiler.disable'd
+# call) and the rest of it is a Dynamo frame of its own: its graph reads the block's shards,
+# all-gathers the group before the body (a graph node that takes the prefetch across frames:
+# [Note: prefetch across block frames]), and its backward holds the group's reduce-scatter, with a
+# resharding block gathering again in backward (passes/recompute.py, as for any graph). Dynamo keys
+# compiled frames by code object, and this code is every block's: a block whose guards hold on the
+# first one's graph runs that graph, so compile time stays flat with depth; blocks that differ compile
+# a graph per structure, each structure with its own recompile budget
+# ([Note: a recompile limit per block structure] in backend.py). Nothing in the trace may then tell
+# blocks apart: the annotations name the block's class (frame_label) and a shared token rather than
+# the group's label and state, and the backend learns which block it admits from the eager call that
+# entered the frame (block_frame_in_trace). The groups outside blocks (the root) are read in several
+# graphs, the frames splitting their forward: the first read in a forward gathers the whole group and
+# hands the unsharded parameters to later graphs (FSDPState.unsharded_across_frames), so each group
+# still gathers and reduces once per step. The root's own hooks hand their bookkeeping (staging
+# no-sync sums, the handoff) to an eager call as well: traced, their walk over every group cost
+# compile time and guards per block. A frame Dynamo gives up on (recompile limit, a skipped frame)
+# runs with the eager hooks, as any block ([Note: frames Dynamo runs eagerly]). A read of a group
+# outside blocks that runs eagerly under the compiled model (Dynamo skips the read's code once a trace
+# of it held no op, as the eager fallback's does) gathers that group in a small graph of its own
 # (state._gather_group_in_a_graph), bucketed as in any graph. Frames are the default: they keep
 # compile time flat with depth, where the regions below grow with it. Not a frame: a block called
 # inside a higher-order op of its caller's graph (checkpoint(block, x), as Hugging Face's gradient
 # checkpointing calls its layers), whose graph cannot break there (backend.
-# traced_in_a_callers_higher_order_op): it compiles as a region of that graph, or inline where
-# regions are not used (a block whose class checkpoints itself in its own __call__, as Hugging Face's
-# layers do now, enters its frame there instead: [Note: a block that checkpoints itself in __call__]);
-# and every block under fullgraph=True. Ranks whose control flow enters
-# different blocks are caught before the block's collectives ([Note: ranks entering different block
-# frames] in graph_check.py), since every rank compiles the same frames.
+# traced_in_a_callers_higher_order_op): it compiles as a region of that graph, or inline where regions
+# are not used (a block whose class checkpoints itself in its own __call__, as Hugging Face's layers
+# do now, enters its frame there instead: [Note: a block that checkpoints itself in __call__]); and
+# every block under fullgraph=True. Ranks whose control flow enters different blocks are caught before
+# the block's collectives ([Note: ranks entering different block frames] in graph_check.py), since
+# every rank compiles the same frames.
 #
 # [Note: prefetch across block frames]
 # A block frame's graph reads its parameters as any graph does: each read traces its unshard, the bucket
@@ -734,17 +734,18 @@ _let_a_block_body_graph_break()
 
 # [Note: a block that checkpoints itself in __call__]
 # Hugging Face's decoder layers (GradientCheckpointingLayer) checkpoint themselves under
-# gradient_checkpointing_enable(): in 4.x in their own __call__ (checkpoint(partial(nn.Module.__call__,
-# layer), ...)), in 5.x in their forward, which the class wraps for every subclass, our FSDP class
-# included (checkpoint(FSDPModule.forward, ...)). Either way our forward runs inside the checkpoint's
-# higher-order op, where a block frame's graph break cannot happen, and every such block compiled as a
-# region of its caller's graph, whose compile time grows with depth (transformers 5.24's Llama: one
-# backward graph holding every layer's reduce-scatter). For such a class (_may_checkpoint_itself), the
-# FSDP class enters the block's frame in __call__ instead, before the user's __call__ (and the
-# checkpoint) runs: the frame's graph then holds the checkpoint, the forward and the parameter reads
-# inside it, as for a block that checkpoints inside its forward (torchtitan's recipe). The forward, reached inside that frame (backend.traced_in_a_block_call_frame), runs the
-# body as it is. A frame Dynamo runs eagerly runs the user's __call__ eagerly, whose forward takes the
-# eager hooks ([Note: frames Dynamo runs eagerly]).
+# gradient_checkpointing_enable(): in 4.x in their own __call__
+# (checkpoint(partial(nn.Module.__call__, layer), ...)), in 5.x in their forward, which the class
+# wraps for every subclass, our FSDP class included (checkpoint(FSDPModule.forward, ...)). Either way
+# our forward runs inside the checkpoint's higher-order op, where a block frame's graph break cannot
+# happen, and every such block compiled as a region of its caller's graph, whose compile time grows
+# with depth (transformers 5.24's Llama: one backward graph holding every layer's reduce-scatter). For
+# such a class (_may_checkpoint_itself), the FSDP class enters the block's frame in __call__ instead,
+# before the user's __call__ (and the checkpoint) runs: the frame's graph then holds the checkpoint,
+# the forward and the parameter reads inside it, as for a block that checkpoints inside its forward
+# (torchtitan's recipe). The forward, reached inside that frame
+# (backend.traced_in_a_block_call_frame), runs the body as it is. A frame Dynamo runs eagerly runs the
+# user's __call__ eagerly, whose forward takes the eager hooks ([Note: frames Dynamo runs eagerly]).
 def _may_checkpoint_itself(cls: type) -> bool:
     """Whether a block of ``cls`` may checkpoint itself around its forward, inside its own call: its
     class has a ``__call__`` of its own (Hugging Face's GradientCheckpointingLayer until 4.x), or is a
