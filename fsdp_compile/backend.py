@@ -23,6 +23,7 @@ except ImportError:  # a torch without Inductor's partitioner hook
     _CustomPartitionerFn = None
 
 from fsdp_compile.graph_check import check_collectives_match_across_ranks
+from fsdp_compile.unreached import forget_unreached_gradients, output_reach
 
 __all__ = ["fsdp_inductor", "fsdp_inductor_with", "fsdp_aot_eager", "observe_graphs", "traced_for_an_fsdp_backend"]
 
@@ -621,8 +622,10 @@ def _compile_with_inductor(
     check_collectives_match_across_ranks(gm)
     admit_traced_parameters(gm)
     _add_traced_op_to_inductors_decompositions()
+    reach = output_reach(gm)
     with _said_when_dynamo_falls_back("fsdp_inductor"), _region_schemas_kept():
-        return compile_fx(gm, example_inputs, config_patches=config_patches)
+        compiled = compile_fx(gm, example_inputs, config_patches=config_patches)
+    return forget_unreached_gradients(compiled, reach)
 
 
 def _asks_for_settings(mode: str | None, options: dict[str, Any] | None) -> bool:
@@ -766,11 +769,13 @@ def fsdp_aot_eager(
 
         return compiler
 
+    reach = output_reach(gm)
     with _said_when_dynamo_falls_back("fsdp_aot_eager"), _region_schemas_kept():
-        return aot_module_simplified(
+        compiled = aot_module_simplified(
             gm, example_inputs, fw_compiler=run_eagerly("forward"), bw_compiler=run_eagerly("backward"), partition_fn=partition,
             decompositions=TRACED_OP_DECOMPOSITIONS,
         )
+    return forget_unreached_gradients(compiled, reach)
 
 
 # [Note: warm start across processes]

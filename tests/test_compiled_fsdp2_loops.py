@@ -1,0 +1,261 @@
+"""PyTorch FSDP2's own training loops (its test_fully_shard_training.py patterns), each run eagerly
+and with the root compiled (fsdp_aot_eager: fsdp_inductor's trace, checks and passes, numerics
+equal to eager in fp32), compared with each other and with an unsharded reference."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import fsdp_compile
+from fsdp_compile import fully_shard
+from torch.distributed.device_mesh import init_device_mesh
+
+
+def _gap(a: nn.Module, b: nn.Module) -> dict[str, float]:
+    return {
+        name: (x.full_tensor() - y.full_tensor()).abs().max().item()
+        for (name, x), y in zip(a.named_parameters(), b.parameters())
+    }
+
+
+def _reference_gap(sharded: nn.Module, reference: nn.Module) -> float:
+    return max(
+        (x.full_tensor() - y).abs().max().item()
+        for x, y in zip(sharded.parameters(), reference.parameters())
+    )
+
+
+# --- an output left out of the loss ----------------------------------------------------------------
+
+
+class _TwoOutputs(nn.Module):
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.lin1 = nn.Linear(dim, dim)
+        self.lin2 = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.lin1(x).relu(), self.lin2(x).relu()
+
+
+def _output_left_out_of_the_loss(reshard_after_forward, backend, frames):
+    torch._dynamo.reset()
+    fsdp_compile.config.compile_blocks_as_frames = frames
+    torch.manual_seed(0)
+    reference = _TwoOutputs()
+    models = []
+    for compiled in (False, True):
+        model = copy.deepcopy(reference)
+        fully_shard(model.lin1, reshard_after_forward=reshard_after_forward)
+        fully_shard(model, reshard_after_forward=reshard_after_forward)
+        runner = torch.compile(model, backend=backend) if compiled else model
+        models.append((model, runner, torch.optim.Adam(model.parameters(), lr=1e-2)))
+    reference_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    grads_none = []
+    for step in range(10):
+        generator = torch.Generator().manual_seed(step)
+        batch = torch.randn(2 * world, 8, generator=generator)
+        use_both = step < 3
+        for model, runner, optimizer in models:
+            out1, out2 = runner(batch[2 * rank: 2 * rank + 2])
+            loss = out1.sum() + (out2.sum() if use_both else 0)
+            loss.backward()
+            if model is models[1][0]:
+                grads_none.append(model.lin2.weight.grad is None)
+            optimizer.step()
+            optimizer.zero_grad()
+        out1, out2 = reference(batch)
+        ((out1.sum() + (out2.sum() if use_both else 0)) / world).backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+    fsdp_compile.config.compile_blocks_as_frames = True
+    (eager, _, _), (compiled, _, _) = models
+    return {
+        "compiled_vs_eager": _gap(eager, compiled),
+        "eager_vs_reference": _reference_gap(eager, reference),
+        "compiled_lin2_grad_none": grads_none,
+    }
+
+
+@pytest.mark.parametrize(
+    "reshard_after_forward, backend, frames",
+    # fsdp_inductor wraps its compiled forward the same way (unreached.forget_unreached_gradients).
+    [(True, "fsdp_aot_eager", True), (False, "fsdp_aot_eager", True), (True, "fsdp_aot_eager", False)],
+    ids=["frames", "no-reshard", "regions"],
+)
+def test_an_output_left_out_of_the_loss_leaves_its_parameters_untouched_compiled_as_eagerly(dist, reshard_after_forward, backend, frames):
+    result = dist.run(2, _output_left_out_of_the_loss, reshard_after_forward, backend, frames)[0]
+    assert result["eager_vs_reference"] < 1e-5, result
+    # Steps 3-9 leave lin2 out of the loss: no gradient, so Adam leaves it where it was.
+    assert result["compiled_lin2_grad_none"] == [False] * 3 + [True] * 7, result
+    assert max(result["compiled_vs_eager"].values()) == 0.0, result
+
+
+# --- gradient accumulation: every sync pattern ------------------------------------------------------
+
+
+class _MLP(nn.Module):
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.in_proj = nn.Linear(dim, 2 * dim)
+        self.out_proj = nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.out_proj(self.in_proj(x).relu())
+
+
+def _set_sync(model: nn.Module, mode: str, is_last: bool, all_reduce_only: bool) -> None:
+    def sync(module: nn.Module, recurse: bool = True) -> None:
+        if all_reduce_only:  # HSDP: reduce-scatter every micro-batch, all-reduce on the last
+            module.set_requires_all_reduce(is_last, recurse=recurse)
+        else:
+            module.set_requires_gradient_sync(is_last, recurse=recurse)
+
+    if mode == "all":
+        sync(model)
+    elif mode == "root_only":
+        sync(model, recurse=False)
+    elif mode == "some_mlps":
+        for mlp in model[1:3]:
+            sync(mlp)
+
+
+def _gradient_accumulation(mode, reshard_after_forward, backend, hsdp=False, all_reduce_only=False):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(8, 8), *(_MLP() for _ in range(3)))  # the root holds the first linear
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = []
+    for compiled in (False, True):
+        model = copy.deepcopy(reference)
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard")) if hsdp else None
+        for mlp in model[1:]:
+            fully_shard(mlp, reshard_after_forward=reshard_after_forward, mesh=mesh)
+        fully_shard(model, reshard_after_forward=reshard_after_forward, mesh=mesh)
+        runner = torch.compile(model, backend=backend) if compiled else model
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+        for step in range(4):
+            for micro in range(3):
+                _set_sync(model, mode, micro == 2, all_reduce_only)
+                batch = torch.randn(2 * world, 8, generator=torch.Generator().manual_seed(10 * step + micro))
+                runner(batch[2 * rank: 2 * rank + 2]).sum().backward()
+            optimizer.step()
+            # Kept zero gradients on every other step: accumulation with and without a .grad to add to.
+            optimizer.zero_grad(set_to_none=step % 2 == 1)
+        results.append(model)
+    reference_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    for step in range(4):
+        for micro in range(3):
+            batch = torch.randn(2 * world, 8, generator=torch.Generator().manual_seed(10 * step + micro))
+            (reference(batch).sum() / world).backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad(set_to_none=step % 2 == 1)
+    eager, compiled = results
+    return {"compiled_vs_eager": _gap(eager, compiled), "eager_vs_reference": _reference_gap(eager, reference),
+            "compiled_vs_reference": _reference_gap(compiled, reference)}
+
+
+@pytest.mark.parametrize("mode", ["all", "root_only", "some_mlps"])
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_gradient_accumulation_with_every_sync_pattern_trains_compiled_as_eagerly(dist, mode, reshard_after_forward):
+    result = dist.run(2, _gradient_accumulation, mode, reshard_after_forward, "fsdp_aot_eager")[0]
+    assert result["eager_vs_reference"] < 1e-5, result
+    assert result["compiled_vs_reference"] < 1e-5, result
+    assert max(result["compiled_vs_eager"].values()) < 1e-6, result
+
+
+# --- partial forwards: a grouped head called on its own ---------------------------------------------
+
+
+class _HeadLM(nn.Module):
+    def __init__(self, vocab: int = 16, dim: int = 8, n_layers: int = 2, tied: bool = False) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(_MLP(dim) for _ in range(n_layers))
+        self.norm = nn.LayerNorm(dim)
+        self.output = nn.Linear(dim, vocab, bias=False)
+        if tied:
+            self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, tokens: torch.Tensor, skip_head: bool = False) -> torch.Tensor:
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        x = self.norm(x)
+        return x if skip_head else self.output(x)
+
+
+def _chunked_loss(model: nn.Module, runner, tokens: torch.Tensor, chunks: int) -> torch.Tensor:
+    hidden = runner(tokens, skip_head=True)
+    loss = 0.0
+    for hidden_chunk, target_chunk in zip(hidden.chunk(chunks, dim=1), tokens.chunk(chunks, dim=1)):
+        logits = model.output(hidden_chunk)
+        loss = loss + nn.functional.cross_entropy(logits.flatten(0, 1), target_chunk.flatten(), reduction="sum")
+    return loss / tokens.numel()
+
+
+def _partial_forwards(tied, pattern, backend):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    reference = _HeadLM(tied=tied)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = []
+    for compiled in (False, True):
+        model = copy.deepcopy(reference)
+        for layer in model.layers:
+            fully_shard(layer)
+        # The head is called on its own, so it needs a group of its own: with the embedding it shares
+        # its weight with, where tied.
+        fully_shard([model.tok_embeddings, model.norm, model.output] if tied else [model.norm, model.output])
+        fully_shard(model)
+        runner = torch.compile(model, backend=backend) if compiled else model
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            tokens = torch.randint(0, 16, (2 * world, 8), generator=torch.Generator().manual_seed(step))[2 * rank: 2 * rank + 2]
+            if pattern == "chunked":
+                loss = _chunked_loss(model, runner, tokens, chunks=2)
+            else:  # two partial forwards, one backward
+                loss = _chunked_loss(model, runner, tokens[:1], chunks=1) + _chunked_loss(model, runner, tokens[1:], chunks=1)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        results.append(model)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(3):
+        tokens = torch.randint(0, 16, (2 * world, 8), generator=torch.Generator().manual_seed(step))
+        losses = []
+        for r in range(world):
+            local = tokens[2 * r: 2 * r + 2]
+            if pattern == "chunked":
+                losses.append(_chunked_loss(reference, reference, local, chunks=2))
+            else:
+                losses.append(_chunked_loss(reference, reference, local[:1], chunks=1) + _chunked_loss(reference, reference, local[1:], chunks=1))
+        (sum(losses) / world).backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+    eager, compiled = results
+    return {"compiled_vs_eager": _gap(eager, compiled), "eager_vs_reference": _reference_gap(eager, reference),
+            "compiled_vs_reference": _reference_gap(compiled, reference)}
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("pattern", ["chunked", "two_forwards"])
+def test_partial_forwards_with_a_grouped_head_train_compiled_as_eagerly(dist, tied, pattern):
+    result = dist.run(2, _partial_forwards, tied, pattern, "fsdp_aot_eager")[0]
+    assert result["eager_vs_reference"] < 1e-5, result
+    assert result["compiled_vs_reference"] < 1e-5, result
+    assert max(result["compiled_vs_eager"].values()) < 1e-6, result
+
+
+@pytest.mark.parametrize("mode", ["all", "root_only", "some_mlps"])
+@pytest.mark.parametrize("all_reduce_only", [False, True])
+def test_hsdp_gradient_accumulation_trains_compiled_as_eagerly(dist, mode, all_reduce_only):
+    result = dist.run(4, _gradient_accumulation, mode, True, "fsdp_aot_eager", True, all_reduce_only)[0]
+    assert result["eager_vs_reference"] < 1e-5, result
+    assert result["compiled_vs_reference"] < 1e-5, result
+    assert max(result["compiled_vs_eager"].values()) < 1e-6, result
