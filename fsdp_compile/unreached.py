@@ -15,6 +15,9 @@ outputs sees which got a gradient; at the end of the backward every such input t
 in none of the graphs it was read in, gets back the ``.grad`` of None it had before, after the late
 reduce-scatters have landed (``land_late_reductions``). An input whose ``.grad`` held something
 keeps it: adding the zeros changed nothing. The collectives are those of the graph either way.
+An unsharded parameter a graph returns (a group gathered in a graph of its own for the graphs and
+eager code after it) counts as no output: eager code that reads it delivers its gradient by the
+eager hooks, not through this graph, so only uses inside the graph are counted.
 """
 from __future__ import annotations
 
@@ -67,7 +70,12 @@ def output_reach(gm: fx.GraphModule) -> OutputReach | None:
         sources[node] = mask
     output = next(node for node in reversed(gm.graph.nodes) if node.op == "output")
     results = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
-    result_masks = [sources.get(result, 0) if isinstance(result, fx.Node) else 0 for result in results]
+    # An unsharded parameter the graph hands out (a group gathered in a graph of its own, read by the
+    # graphs and eager code after it) is no use of the parameter here: whoever reads it may be eager
+    # code, whose gradient autograd does not route through this graph's output.
+    result_masks = [
+        sources.get(result, 0) if isinstance(result, fx.Node) and not _is_fsdp_node(result) else 0 for result in results
+    ]
     inputs = []
     for node, node_bit in bit.items():
         reached = frozenset(index for index, mask in enumerate(result_masks) if mask & node_bit)

@@ -37,6 +37,8 @@ for _name, _value in SCALAR_INDUCTOR_ENV.items():
 import pytest
 import torch.multiprocessing as mp
 
+import compiled_twin
+
 # The fsdp backends' warning that Dynamo runs a graph they failed on eagerly.
 COMPILE_FELL_BACK_TO_EAGER = r"fsdp_compile. fsdp_\w+ could not compile graph"
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -63,6 +65,10 @@ def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any, tim
     import torch
     import torch.distributed as dist
 
+    # Before any test module is imported: `from fsdp_compile import fully_shard` there binds the switch.
+    import compiled_twin
+
+    compiled_twin.install()
     # Ranks share 2 cores: one thread each keeps them from fighting and keeps numerics stable.
     torch.set_num_threads(1)
     # A compile torch quietly replaces by eager code fails the test instead (pyproject.toml does the
@@ -76,10 +82,11 @@ def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any, tim
         task = tasks.get()
         if task is None:
             break
-        module_name, function_name, args, kwargs = task
+        module_name, function_name, args, kwargs, root_backend = task
         try:
             function = getattr(importlib.import_module(module_name), function_name)
-            results.put((rank, True, function(*args, **kwargs)))
+            with compiled_twin.compiling_roots(root_backend):
+                results.put((rank, True, function(*args, **kwargs)))
         except BaseException:  # noqa: BLE001 - reported to the test process
             results.put((rank, False, traceback.format_exc()))
     dist.destroy_process_group()
@@ -136,7 +143,7 @@ class DistributedPool:
 
     def run(self, function: Callable[..., Any], *args: Any, timeout_s: float = 300.0, **kwargs: Any) -> list[Any]:
         for task_queue in self.tasks:
-            task_queue.put((function.__module__, function.__name__, args, kwargs))
+            task_queue.put((function.__module__, function.__name__, args, kwargs, _compiled_twin_backend[0]))
         outcomes: dict[int, tuple[bool, Any]] = {}
         deadline = time.monotonic() + timeout_s
         while len(outcomes) < self.world_size:
@@ -258,6 +265,28 @@ def dist() -> PoolRegistry:
     registry = PoolRegistry()
     yield registry
     registry.close()
+
+
+# The backend the running test's roots compile with (None: eager); see [Note: compiled twins of
+# eager training tests] in compiled_twin.py.
+_compiled_twin_backend: list[str | None] = [None]
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if metafunc.definition.get_closest_marker("compiled_twin") is not None:
+        metafunc.parametrize("compiled_root", [None, compiled_twin.TWIN_BACKEND], ids=["eager", "compiled"], indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def compiled_root(request: pytest.FixtureRequest) -> Any:
+    """The running test's root compile backend: None, or the compiled twin's (``compiled_twin`` marker)."""
+    _compiled_twin_backend[0] = getattr(request, "param", None)
+    yield _compiled_twin_backend[0]
+    _compiled_twin_backend[0] = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "compiled_twin: also run the test with every model's root compiled (compiled_twin.py)")
 
 
 @pytest.fixture(params=[8, 64])
