@@ -168,7 +168,8 @@ def mesh_info_for(mesh: DeviceMesh, dp_mesh_dims: DataParallelMeshDims | None = 
             replicate_size=mesh.size(0),
         )
     raise ValueError(
-        f"fully_shard takes a 1-D mesh (FSDP) or a 2-D (replicate, shard) mesh (HSDP), got a {mesh.ndim}-D mesh; "
+        f"fully_shard expects a 1D or 2D DeviceMesh but got a {mesh.ndim}-D mesh: it takes a 1-D mesh (FSDP) or a 2-D "
+        "(replicate, shard) mesh (HSDP); "
         "pass mesh[dim] or mesh[(replicate_dim, shard_dim)]"
     )
 

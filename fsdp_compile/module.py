@@ -83,7 +83,14 @@ class FSDPModule:
                 state.eager_enter_block_frame()  # a graph break: the rest is the block's own frame
                 if not torch.compiler.is_compiling():  # Dynamo runs that frame eagerly
                     return self._forward_with_eager_hooks(args, kwargs)
+                if _COMPOSABLE_CHECKPOINT_ATTR in self.__dict__:  # [Note: PyTorch's composable checkpoint, compiled]
+                    return _checkpointed(self, super().forward, args, kwargs)  # type: ignore[misc]
                 return super().forward(*args, **kwargs)  # type: ignore[misc]
+            if _COMPOSABLE_CHECKPOINT_ATTR in self.__dict__:  # [Note: PyTorch's composable checkpoint, compiled]
+                for inner in state.states_in_tree():
+                    if inner.gathers_once_across_frames:  # its first read writes the handoff: not in the checkpoint
+                        inner.unsharded_across_frames(inner.group.fsdp_params[0])
+                return _checkpointed(self, self._traced_forward, args, kwargs)
             if state.compiles_as_region:
                 unsharded = state.traced_unshard(state.group.fsdp_params)
                 if _takes_flat_arguments(args, kwargs):  # [Note: a block region's flat arguments]
@@ -91,6 +98,17 @@ class FSDPModule:
                 return _block_region(self, unsharded, args, kwargs, _reuse_marker(args, kwargs))
         elif self._fsdp_state().hooks_stood_aside():
             return self._forward_with_eager_hooks(args, kwargs)
+        return super().forward(*args, **kwargs)  # type: ignore[misc]
+
+    def _traced_forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The traced forward of a module not compiled as a block frame (a block region, or inline),
+        inside the composable checkpoint's torch.utils.checkpoint (as ``forward`` traces it outside)."""
+        state = self._fsdp_state()
+        if state.compiles_as_region:
+            unsharded = state.traced_unshard(state.group.fsdp_params)
+            if _takes_flat_arguments(args, kwargs):  # [Note: a block region's flat arguments]
+                return _flat_block_region(self, len(unsharded), *unsharded, *args)
+            return _block_region(self, unsharded, args, kwargs, _reuse_marker(args, kwargs))
         return super().forward(*args, **kwargs)  # type: ignore[misc]
 
     def _forward_with_eager_hooks(self, args: tuple, kwargs: dict) -> Any:
@@ -158,8 +176,8 @@ class FSDPModule:
         self.__dict__["forward"] = torch.compile(type(self).forward.__get__(self), *args, **kwargs)
 
     def __deepcopy__(self, memo: dict) -> Any:
-        raise RuntimeError(
-            f"fsdp_compile: copy.deepcopy of a fully_shard module ({type(self).__name__}) is not supported: its "
+        raise AssertionError(  # FSDP2's exception type and words, then why and the fix
+            f"FSDP does not support deepcopy: copy.deepcopy of a fully_shard module ({type(self).__name__}): its "
             "parameters are shards tied to process groups. Deep-copy the model before fully_shard, or build a new "
             "model and load this one's state_dict() into it."
         )
@@ -756,6 +774,95 @@ def _may_checkpoint_itself(cls: type) -> bool:
     return any(klass.__name__ == "GradientCheckpointingLayer" and klass.__module__.startswith("transformers.") for klass in cls.__mro__)
 
 
+# [Note: PyTorch's composable checkpoint, compiled]
+# torch.distributed._composable.checkpoint(block) checkpoints through the block's forward hooks: its
+# pre-hook enters torch.utils.checkpoint's non-reentrant context (saved-tensor hooks) eagerly, its
+# post-hook leaves it, and backward recomputes by calling the block again, eagerly. Under a compiled
+# model Dynamo cannot trace that pre-hook (a graph break) and runs the block's forward as graphs
+# (its frame, or the caller's graph resumed after the break): the original forward saves what those
+# graphs save (AOTAutograd's saved tensors, the unsharded parameters among them), the eager
+# recompute what eager ops save, and torch.utils.checkpoint raised CheckpointError ("a different
+# number of tensors was saved"; "different metadata" under HSDP). So for a block fully_shard finds
+# so checkpointed (_take_over_composable_checkpoint, at fully_shard: its own call's or, checkpointed
+# after, an enclosing module's), the checkpoint's hooks stand
+# aside while Dynamo traces, and the block's traced forward runs in torch.utils.checkpoint.
+# checkpoint with the composable call's options instead: Dynamo traces it as a higher-order op,
+# inside the block's frame (parameter reads and all, as torchtitan's blocks that checkpoint in their
+# forward) or, for a module that is not a frame (one with fully_shard modules inside), in its
+# caller's graph, where those inner blocks compile as regions of it (its groups outside blocks
+# gather before the checkpoint: their first read writes the frames' handoff, which Dynamo refuses
+# inside a higher-order op, unsharded_across_frames); AOTAutograd recomputes the
+# block's forward in the backward graph, as the eager checkpoint recomputes it in backward. Eagerly
+# (the eager runtime, per-block compile, the eager fallback) the hooks run as before; a block frame
+# Dynamo runs eagerly after its hooks were traced runs without the checkpoint (same numerics).
+_COMPOSABLE_CHECKPOINT_ATTR = "_fsdp_compile_composable_checkpoint"
+_COMPOSABLE_CHECKPOINT_HOOKS = ("checkpoint.<locals>.forward_pre_hook", "checkpoint.<locals>.forward_hook")
+
+
+def _take_over_composable_checkpoint(module: nn.Module) -> None:
+    """If ``torch.distributed._composable.checkpoint`` was applied to ``module``: let its hooks stand
+    aside under Dynamo and keep its options for the traced forward's checkpoint."""
+    try:
+        from torch.distributed._composable import checkpoint_activation
+        from torch.distributed._composable.contract import _get_registry
+    except ImportError:
+        return
+    registry = _get_registry(module)
+    if not registry or "checkpoint" not in registry or _COMPOSABLE_CHECKPOINT_ATTR in module.__dict__:
+        return
+    options: dict[str, Any] | None = None
+    for hooks in (module._forward_pre_hooks, module._forward_hooks):
+        for key, hook in list(hooks.items()):
+            if getattr(hook, "__module__", None) != checkpoint_activation.__name__ or getattr(hook, "__qualname__", None) not in _COMPOSABLE_CHECKPOINT_HOOKS:
+                continue
+            if hook.__qualname__ == _COMPOSABLE_CHECKPOINT_HOOKS[0]:
+                closure = dict(zip(hook.__code__.co_freevars, (cell.cell_contents for cell in hook.__closure__ or ())))
+                options = {"preserve_rng_state": closure.get("preserve_rng_state", True)}
+                for name in ("determinism_check", "debug"):
+                    if name in closure:
+                        options[name] = closure[name]
+                if closure.get("user_context_fns") is not None:
+                    options["context_fn"] = closure["user_context_fns"]
+                hooks[key] = _standing_aside_when_traced(hook)
+            else:
+                hooks[key] = _standing_aside_without_a_context(hook)
+    if options is not None:
+        module.__dict__[_COMPOSABLE_CHECKPOINT_ATTR] = options
+
+
+def _standing_aside_when_traced(pre_hook: Callable[..., Any]) -> Callable[..., Any]:
+    def composable_checkpoint_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        if torch.compiler.is_compiling() and not config.skip_fsdp_hooks:
+            return None  # the traced forward checkpoints itself: _checkpointed
+        return pre_hook(module, args, kwargs)
+
+    return composable_checkpoint_pre_hook
+
+
+def _standing_aside_without_a_context(post_hook: Callable[..., Any]) -> Callable[..., Any]:
+    from torch.distributed._composable import checkpoint_activation
+
+    def composable_checkpoint_post_hook(module: nn.Module, inputs: Any, output: Any) -> Any:
+        # Its pre-hook stood aside (traced), whether or not this one runs in a graph: a break in the
+        # block's forward may leave it to run eagerly.
+        if getattr(checkpoint_activation.checkpoint.state(module), "_ac_generator", None) is None:
+            return None
+        return post_hook(module, inputs, output)
+
+    return composable_checkpoint_post_hook
+
+
+def _checkpointed(module: nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """``forward(*args, **kwargs)`` in torch.utils.checkpoint with the options of the composable
+    checkpoint on ``module``: see [Note: PyTorch's composable checkpoint, compiled]."""
+    from torch.utils.checkpoint import checkpoint
+
+    options = module.__dict__[_COMPOSABLE_CHECKPOINT_ATTR]
+    if kwargs:
+        forward = functools.partial(forward, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, **options)
+
+
 def _entering_block_frame_before(user_call: Callable[..., Any]) -> Callable[..., Any]:
     """The FSDP class's ``__call__`` over the user's ``user_call``; one code object for every class,
     so one compiled frame serves every block whose guards hold."""
@@ -857,12 +964,15 @@ def fully_shard(
             raise TypeError(f"fully_shard takes an nn.Module or a list of them, got {type(m).__name__}")
         if type(m).forward is nn.Module.forward and not _compiled_before_sharding(m):
             raise ValueError(
-                f"fully_shard({type(m).__name__}): this container has no forward(), so the hooks that all-gather "
+                f"fully_shard does not support containers that do not implement forward: fully_shard({type(m).__name__}): "
+                "this container has no forward(), so the hooks that all-gather "
                 "its parameters would never run when its items do. Apply fully_shard to each item "
                 "(for block in model.layers: fully_shard(block)) or to the module whose forward calls them."
             )
         if state_of(m) is not None:
-            raise ValueError(
+            # FSDP2's exception type and words (torch.distributed._composable.contract), then the fix.
+            raise AssertionError(
+                "Each distinct composable distributed API can only be applied to a module once: "
                 f"fully_shard was already applied to this {type(m).__name__}; apply it once per module "
                 "(bottom-up: blocks first, then the model)"
             )
@@ -923,6 +1033,9 @@ def fully_shard(
         inner.is_leaf = len(all_states_under(inner.modules)) == 1
     _label_groups(modules)
     for m in modules:
+        for sub in m.modules():  # this module's and those sharded before, checkpointed since
+            if state_of(sub) is not None:  # [Note: PyTorch's composable checkpoint, compiled]
+                _take_over_composable_checkpoint(sub)
         cls = type(m)
         if cls not in _fsdp_classes:
             namespace: dict[str, Any] = {"__module__": cls.__module__}
@@ -1081,7 +1194,10 @@ def _check_params(params: list[nn.Parameter], refs: dict[int, list[ParamRef]], d
                 "can be sharded. Register it as a buffer, or pass it in ignored_params."
             )
         if param.dim() == 0:
-            raise ValueError(f"fully_shard({label}): parameter '{name}' is 0-dim; give it shape (1,) to shard it on dim 0")
+            raise ValueError(
+                f"fully_shard doesn't support scalar parameters: fully_shard({label}): parameter '{name}' is 0-dim; "
+                "give it shape (1,) to shard it on dim 0"
+            )
     devices = _first_name_per(params, refs, lambda param: param.device)
     if len(devices) > 1:
         listed = ", ".join(f"'{name}' on {dev}" for dev, name in devices.items())

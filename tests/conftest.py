@@ -307,19 +307,32 @@ def fake_world(request):
     torch_dist.destroy_process_group()
 
 
-def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Start the benchmark smoke run now and move its tests to the end; see [Note: the benchmark
-    smoke run overlaps the suite] in test_benchmark_smoke.py."""
-    smoke = [item for item in items if "run" in getattr(item, "fixturenames", ()) and item.module.__name__ == "test_benchmark_smoke"]
-    if not smoke or config.option.collectonly:
-        return
-    from test_benchmark_smoke import start_benchmark_run
+# Runs started in the background as their tests are collected; their tests move to the suite's end
+# and wait for them there: (test module, the fixture those tests wait on, the config attribute that
+# holds the run, the module's function that starts it and returns (process, out dir, scratch folder)).
+_BACKGROUND_RUNS = (
+    ("test_benchmark_smoke", "run", "benchmark_smoke_run", "start_benchmark_run"),
+    ("test_gpu_check", "dry_run", "gpu_dry_run", "start_dry_run"),  # python -m benchmarks.gpu --dry-run
+)
 
-    config.benchmark_smoke_run = start_benchmark_run()  # type: ignore[attr-defined]
-    moved = {id(item) for item in smoke}
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Start the background runs now and move their tests to the end; see [Note: the benchmark
+    smoke run overlaps the suite] in test_benchmark_smoke.py."""
+    if config.option.collectonly:
+        return
+    waiting: list[pytest.Item] = []
+    for module_name, fixture, attribute, starter in _BACKGROUND_RUNS:
+        tests = [item for item in items if fixture in getattr(item, "fixturenames", ()) and item.module.__name__ == module_name]
+        if tests:
+            setattr(config, attribute, getattr(importlib.import_module(module_name), starter)())
+            waiting += tests
+    if not waiting:
+        return
+    moved = {id(item) for item in waiting}
     rest = [item for item in items if id(item) not in moved]
     # A stable sort: the in-process tests first, each group in collection order.
-    items[:] = sorted(rest, key=lambda item: not _runs_in_the_pytest_process_alone(item)) + smoke
+    items[:] = sorted(rest, key=lambda item: not _runs_in_the_pytest_process_alone(item)) + waiting
 
 
 def _runs_in_the_pytest_process_alone(item: pytest.Item) -> bool:
@@ -339,9 +352,11 @@ _starts_processes: dict[str, bool] = {}
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    started = getattr(session.config, "benchmark_smoke_run", None)
-    if started is not None and started[0].poll() is None:  # the suite stopped before its tests waited on it
-        started[0].kill()
-        started[0].wait()
-    if started is not None:
+    for _, _, attribute, _ in _BACKGROUND_RUNS:
+        started = getattr(session.config, attribute, None)
+        if started is None:
+            continue
+        if started[0].poll() is None:  # the suite stopped before its tests waited on it
+            started[0].kill()
+            started[0].wait()
         shutil.rmtree(started[2], ignore_errors=True)

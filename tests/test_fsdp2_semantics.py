@@ -612,11 +612,12 @@ def _error_before_any_collective(case: str) -> RefusedCall:
 @pytest.mark.parametrize(
     "case, error, words",
     [
-        ("module_list", "ValueError", ["ModuleList", "no forward", "each item"]),
-        ("scalar_parameter", "ValueError", ["'scale'", "0-dim", "shape (1,)"]),
+        # FSDP2's exception type and its words (torch 2.13's _fsdp_init.py, contract.py, _fully_shard.py), then ours.
+        ("module_list", "ValueError", ["fully_shard does not support containers that do not implement forward", "ModuleList", "no forward", "each item"]),
+        ("scalar_parameter", "ValueError", ["fully_shard doesn't support scalar parameters", "'scale'", "0-dim", "shape (1,)"]),
         ("unnamed_2d_mesh", "ValueError", ["2-D mesh", "mesh_dim_names"]),
-        ("twice", "ValueError", ["already applied", "once per module"]),
-        ("deepcopy", "RuntimeError", ["deepcopy", "state_dict"]),
+        ("twice", "AssertionError", ["Each distinct composable distributed API can only be applied to a module once", "already applied", "once per module"]),
+        ("deepcopy", "AssertionError", ["FSDP does not support deepcopy", "state_dict"]),
         ("pytorch_fsdp_inside", "ValueError", ["submodule '0'", "PyTorch's FSDP", "fsdp_compile.fully_shard"]),
     ],
 )

@@ -40,7 +40,6 @@ def test_losses_and_params_match_unsharded_reference(dist, world_size, optimizer
     assert_matches_reference(dist.run(world_size, _parity_with_reference, optimizer, None), LOSS_RTOL, PARAM_ATOL)
 
 
-@pytest.mark.compiled_twin
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
 def test_parity_for_reshard_after_forward_bool(dist, reshard_after_forward):
     assert_matches_reference(dist.run(2, _parity_with_reference, "adamw", reshard_after_forward), LOSS_RTOL, PARAM_ATOL)
