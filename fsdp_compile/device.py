@@ -62,6 +62,12 @@ class DeviceHandle:
         if stream is not None and event is not None:
             stream.wait_event(event)
 
+    def wait_for_host(self) -> None:
+        """Block the host until the device finished all work queued on the current stream: the CPU
+        reads what a kernel wrote into pinned host memory (CPU offload's gradients) only after it."""
+        if self.uses_streams:
+            torch.cuda.current_stream(self.device).synchronize()
+
     def keep_alive(self, tensor: torch.Tensor, stream: Any) -> None:
         """Tell the caching allocator ``tensor`` is used on ``stream`` (no-op without streams)."""
         if stream is not None and tensor.device.type == "cuda":

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.nn.utils.stateless import _reparametrize_module
 
 from fsdp_compile.api import MixedPrecisionPolicy
@@ -222,10 +223,15 @@ class FSDPParam:
         """``local`` (this rank's shard, or its gradient) as the sharded parameter's kind of DTensor."""
         if self.tensor_parallel is not None:
             return self.tensor_parallel.sharded(local)
-        return DTensor.from_local(
-            local, self.mesh_info.mesh, self.placements, run_check=False,
-            shape=self.orig_size, stride=torch.empty(self.orig_size, device="meta").stride(),
-        )
+        mesh = self.mesh_info.mesh
+        stride = torch.empty(self.orig_size, device="meta").stride()
+        if local.device.type != mesh.device_type and not local.is_meta:
+            # CPU offload on a GPU mesh: DTensor.from_local would move the shard to the mesh's device
+            # (seen on an H200: CPUOffloadPolicy's shards and gradients were back on cuda:0, unpinned).
+            # Built as FSDP2 builds its offloaded shards, the local tensor stays where it is.
+            spec = DTensorSpec(mesh, tuple(self.placements), tensor_meta=TensorMeta(self.orig_size, stride, local.dtype))
+            return DTensor(local, spec, requires_grad=local.requires_grad)
+        return DTensor.from_local(local, mesh, self.placements, run_check=False, shape=self.orig_size, stride=stride)
 
     def piece_of_full(self, full: torch.Tensor) -> torch.Tensor:
         """What FSDP shards of a full (global) tensor: this rank's TP piece (the tensor itself without TP)."""
