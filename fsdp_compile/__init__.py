@@ -81,7 +81,7 @@ __all__ = [
 
 
 def _find_checkout_passes() -> None:
-    # passes/ lives beside fsdp_compile/ in a source checkout (DESIGN.md section 2); an install maps
+    # passes/ lives beside fsdp_compile/ in a source checkout (docs/design.md section 2); an install maps
     # it to fsdp_compile.passes. Running from a checkout (PYTHONPATH=.) gets the same import name.
     import importlib.util
     import os

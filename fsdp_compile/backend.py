@@ -248,7 +248,7 @@ def _kind(gm: fx.GraphModule) -> str:
 
 
 # Inductor's own collective bucketing / reordering stay off: only our passes place collectives
-# (DESIGN.md section 5). Several of these are off by default today; pinning them keeps a global
+# (docs/design.md section 5.2). Several of these are off by default today; pinning them keeps a global
 # torch._inductor.config change from reordering collectives differently per rank.
 INDUCTOR_COMM_PASSES_OFF: dict[str, Any] = {
     "reorder_for_compute_comm_overlap": False,

@@ -34,7 +34,7 @@ compile_blocks_once: bool = True
 compile_blocks_as_frames: bool = True
 
 
-# --- Graph passes of backend="fsdp_inductor" / "fsdp_aot_eager" (DESIGN.md section 5) ---------------
+# --- Graph passes of backend="fsdp_inductor" / "fsdp_aot_eager" (docs/design.md section 5.3) ------
 
 import os as _os  # noqa: E402
 from dataclasses import dataclass as _dataclass  # noqa: E402

@@ -97,6 +97,7 @@ class FSDPParam:
         # The sharded parameter's DTensor mesh and placements.
         self.sharded_mesh = mesh_info.mesh if tensor_parallel is None else tensor_parallel.sharded_mesh
         self.placements = mesh_info.placements(shard_dim) if tensor_parallel is None else tensor_parallel.sharded_placements
+        self._sharded_specs: dict[torch.dtype, DTensorSpec] = {}  # see sharded_dtensor
         # The policy's dtypes (None: follow the parameter's own dtype, also after module.to(dtype)).
         self.mp_policy = mp_policy
         self._set_dtypes(param.dtype)
@@ -220,18 +221,19 @@ class FSDPParam:
         return self.tensor_parallel is not None
 
     def sharded_dtensor(self, local: torch.Tensor) -> DTensor:
-        """``local`` (this rank's shard, or its gradient) as the sharded parameter's kind of DTensor."""
+        """``local`` (this rank's shard, or its gradient; detached) as the sharded parameter's kind of DTensor."""
         if self.tensor_parallel is not None:
             return self.tensor_parallel.sharded(local)
-        mesh = self.mesh_info.mesh
-        stride = torch.empty(self.orig_size, device="meta").stride()
-        if local.device.type != mesh.device_type and not local.is_meta:
-            # CPU offload on a GPU mesh: DTensor.from_local would move the shard to the mesh's device
-            # (seen on an H200: CPUOffloadPolicy's shards and gradients were back on cuda:0, unpinned).
-            # Built as FSDP2 builds its offloaded shards, the local tensor stays where it is.
-            spec = DTensorSpec(mesh, tuple(self.placements), tensor_meta=TensorMeta(self.orig_size, stride, local.dtype))
-            return DTensor(local, spec, requires_grad=local.requires_grad)
-        return DTensor.from_local(local, mesh, self.placements, run_check=False, shape=self.orig_size, stride=stride)
+        # [Note: a sharded DTensor without from_local] Built from a spec kept per dtype, as FSDP2 builds
+        # its shards and gradients: DTensor.from_local made a new spec (and a meta tensor for the
+        # stride) for every parameter's gradient every step, the largest single host cost of our eager
+        # step at world size 1, and it moves a CPU-offloaded shard onto a GPU mesh's device.
+        spec = self._sharded_specs.get(local.dtype)
+        if spec is None:
+            stride = torch.empty(self.orig_size, device="meta").stride()
+            spec = DTensorSpec(self.mesh_info.mesh, tuple(self.placements), tensor_meta=TensorMeta(self.orig_size, stride, local.dtype))
+            self._sharded_specs[local.dtype] = spec
+        return DTensor(local, spec, requires_grad=False)
 
     def piece_of_full(self, full: torch.Tensor) -> torch.Tensor:
         """What FSDP shards of a full (global) tensor: this rank's TP piece (the tensor itself without TP)."""

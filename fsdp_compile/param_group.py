@@ -48,6 +48,8 @@ def _eager_only(method: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(method)
     def run(*args: Any, **kwargs: Any) -> Any:
+        if not torch._C._are_functorch_transforms_active() and not torch.is_inference_mode_enabled():
+            return method(*args, **kwargs)  # the common case, without a context stack per call
         with contextlib.ExitStack() as modes:
             if torch._C._are_functorch_transforms_active():
                 modes.enter_context(torch._C._DisableFuncTorch())

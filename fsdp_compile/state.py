@@ -755,12 +755,14 @@ class FSDPState:
                 state.group.reshard_after_forward = not state.is_root
             for fsdp_param in state.group.fsdp_params:
                 fsdp_param.adopt_registered_param()
-                if fsdp_param.local_shard().device.type == "meta":
-                    raise RuntimeError(
-                        f"fsdp_compile: parameter '{fsdp_param.fqn}' is still on the meta device at the first forward. "
-                        "Materialize it after fully_shard: call model.to_empty(device=...) then re-initialize "
-                        "(e.g. model.reset_parameters() on each submodule)."
-                    )
+        on_meta = [p.fqn for state in states if state.group is not None for p in state.group.fsdp_params if p.local_shard().device.type == "meta"]
+        if on_meta:
+            # FSDP2's words first (_fsdp_param_group.py), every such parameter named, then the fix.
+            raise RuntimeError(
+                "FSDP parameters should be materialized from meta device before training, but the following were "
+                f"still on meta device: {on_meta}. fsdp_compile: materialize them after fully_shard: call "
+                "model.to_empty(device=...) then re-initialize (e.g. model.reset_parameters() on each submodule)."
+            )
 
     # --- forward --------------------------------------------------------------------------------
     def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -1,6 +1,6 @@
 """FX graph passes of the fsdp_inductor backend, importable as ``fsdp_compile.passes``.
 
-Each pass is a pure function ``(GraphModule, PassConfig) -> GraphModule`` (DESIGN.md section 5):
+Each pass is a pure function ``(GraphModule, PassConfig) -> GraphModule`` (docs/design.md section 5.3):
 
 - ``recompute.py`` (joint graph): resharding groups re-all-gather in backward.
 - ``bucket.py`` (post-grad): one all-gather / reduce-scatter per ``fully_shard`` group.

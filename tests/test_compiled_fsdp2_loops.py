@@ -423,3 +423,54 @@ def test_composable_activation_checkpointing_with_hsdp_trains_compiled_as_eagerl
     assert result["compiled_vs_reference"] < 1e-5, result
     assert max(result["compiled_vs_eager"].values()) < 1e-6, result
 
+
+
+# --- no collective over a shard group of one rank -------------------------------------------------
+
+
+def _collectives_over_one_shard_rank(hsdp):
+    """Eager and compiled training where the shard group is one rank (world size 1, or HSDP with
+    (world, 1)); the c10d ops the profiler sees in the compiled steps, by kind."""
+    from torch.profiler import profile
+
+    from fsdp_testing import TinyLM
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    world = dist.get_world_size()
+    reference = TinyLM(dim=8, n_layers=2)
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard")) if hsdp else None
+    models = []
+    for compiled in (False, True):
+        model = copy.deepcopy(reference)
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        models.append((model, torch.compile(model, backend="fsdp_aot_eager") if compiled else model))
+    seen: dict[str, int] = {}
+    for step in range(3):
+        tokens = torch.randint(0, 37, (2, 6), generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+        for index, (model, runner) in enumerate(models):
+            with profile() as prof:
+                runner(tokens).float().pow(2).mean().backward()
+            if index == 1 and step > 0:
+                for event in prof.events():
+                    if event.name.startswith(("c10d::", "_c10d_functional::")) and "wait" not in event.name:
+                        seen[event.name] = seen.get(event.name, 0) + 1
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.1 * p.grad
+                    p.grad = None
+    return {"collectives": seen, "compiled_vs_eager": _gap(models[0][0], models[1][0])}
+
+
+def test_a_shard_group_of_one_rank_issues_no_collective_compiled_as_eagerly(dist):
+    result = dist.run(1, _collectives_over_one_shard_rank, False)[0]
+    assert result["collectives"] == {}, result  # 60 c10d ops a step before [Note: no collective over one rank]
+    assert max(result["compiled_vs_eager"].values()) == 0.0, result
+
+
+def test_hsdp_with_shard_groups_of_one_rank_all_reduces_only_compiled_as_eagerly(dist):
+    result = dist.run(2, _collectives_over_one_shard_rank, True)[0]
+    assert result["collectives"] and all("all_reduce" in name or "allreduce" in name for name in result["collectives"]), result
+    assert max(result["compiled_vs_eager"].values()) < 1e-6, result

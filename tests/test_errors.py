@@ -32,6 +32,9 @@ def _meta_parameters_at_first_forward():
 def test_meta_parameters_fail_at_first_forward_with_the_fix(dist):
     message = dist.run(1, _meta_parameters_at_first_forward)[0]
     assert "tok_embeddings.weight" in message and "meta device" in message and "to_empty" in message
+    # FSDP2's words, and every parameter left on meta, of every group (not only the first met).
+    assert "FSDP parameters should be materialized from meta device before training" in message
+    assert "norm.weight" in message and "attention.wq.weight" in message, message
 
 
 def _meta_init_flow():

@@ -122,7 +122,7 @@ def _parity_with_torch_fsdp2(param_dtype_name: str | None):
 
 
 # Same shards, casts, divide factors and collectives as FSDP2: on the same torch the two
-# runtimes agree bitwise (seen on torch 2.13), which is stronger than DESIGN.md's 1e-2 bound; the
+# runtimes agree bitwise (seen on torch 2.13), which is stronger than docs/design.md section 6's 1e-2 bound; the
 # compiled twin (fsdp_aot_eager) too.
 @pytest.mark.compiled_twin
 def test_fp32_matches_torch_fully_shard_bitwise(dist):

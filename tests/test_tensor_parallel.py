@@ -271,7 +271,7 @@ def _bf16_against_torch_fsdp2():
 
 
 # Same TP pieces, shards, casts and collectives as FSDP2: on torch 2.13 the two agree bitwise,
-# stronger than the 1e-2 bf16 bound of DESIGN.md section 6.
+# stronger than the 1e-2 bf16 bound of docs/design.md section 6.
 def test_bf16_mixed_precision_over_tp_matches_torch_fsdp2_bitwise(dist):
     result = dist.run(4, _bf16_against_torch_fsdp2)[0]
     assert result.placements_match, "sharded parameters are not laid out as FSDP2 lays them out"

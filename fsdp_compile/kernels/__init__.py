@@ -1,4 +1,4 @@
-"""Fused copy-in / copy-out for the grouped collectives (DESIGN.md section 4).
+"""Fused copy-in / copy-out for the grouped collectives (docs/design.md section 4).
 
 Four ``torch.library`` custom ops, one call per parameter group each: see ``reference.py``
 for the layout and the exact arithmetic. On CUDA they run as Triton kernels when Triton is

@@ -1,6 +1,6 @@
 """Plain-torch copy-in / copy-out for one parameter group: the definition of what the kernels compute.
 
-Layout shared by all four operations (see DESIGN.md section 4). A group of N parameters
+Layout shared by all four operations (see docs/design.md section 4). A group of N parameters
 is sharded on dim 0 over ``world`` ranks; parameter ``i`` has ``padded_numels[i]`` elements
 per rank (``ceil(dim0 / world) * prod(shape[1:])``) and starts at column
 ``offsets[i] = sum(padded_numels[:i])`` of the flat per-rank buffer of
