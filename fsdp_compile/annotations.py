@@ -15,7 +15,7 @@ from __future__ import annotations
 
 __all__ = [
     "FSDP_ANNOTATION_KEY", "GROUP_KEY", "PARAM_KEY", "RESHARD_AFTER_FORWARD_KEY", "STATE_KEY",
-    "BUCKET_KEY", "GROUPS_KEY", "PARAMS_KEY", "BLOCK_FRAME_TOKEN",
+    "BUCKET_KEY", "GROUPS_KEY", "PARAMS_KEY", "BLOCK_FRAME_TOKEN", "fsdp_annotation",
 ]
 
 # Per parameter (traceable.py).
@@ -33,3 +33,11 @@ BLOCK_FRAME_TOKEN = -1
 BUCKET_KEY = "fsdp_bucket"  # "all_gather" | "reduce_scatter": present once a node is bucketed
 GROUPS_KEY = "fsdp_groups"  # the group labels in the bucket, in order
 PARAMS_KEY = "fsdp_params"  # the parameter FQNs in the bucket, in copy-in order
+
+
+def fsdp_annotation(node: object) -> dict | None:
+    """The FSDP annotation of an FX node (``node.meta["custom"]`` with the FSDP tag), or None."""
+    custom = node.meta.get("custom")  # type: ignore[attr-defined]
+    if isinstance(custom, dict) and custom.get(FSDP_ANNOTATION_KEY):
+        return custom
+    return None

@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 from torch.autograd.graph import register_multi_grad_hook
 
-from fsdp_compile.annotations import FSDP_ANNOTATION_KEY
+from fsdp_compile.annotations import fsdp_annotation
 
 __all__ = ["OutputReach", "output_reach", "forget_unreached_gradients"]
 
@@ -45,11 +45,6 @@ class OutputReach:
         return frozenset().union(*(reached for _, reached in self.inputs))
 
 
-def _is_fsdp_node(node: fx.Node) -> bool:
-    custom = node.meta.get("custom")
-    return isinstance(custom, dict) and bool(custom.get(FSDP_ANNOTATION_KEY))
-
-
 def output_reach(gm: fx.GraphModule) -> OutputReach | None:
     """The graph inputs read by the managed parameters' traced unshards and the outputs each reaches;
     None where the graph reads no managed parameter."""
@@ -57,7 +52,7 @@ def output_reach(gm: fx.GraphModule) -> OutputReach | None:
     position = {node: index for index, node in enumerate(placeholders)}
     feeding: set[fx.Node] = set()
     for node in gm.graph.nodes:
-        if _is_fsdp_node(node):
+        if fsdp_annotation(node) is not None:
             feeding.update(arg for arg in node.all_input_nodes if arg in position)
     if not feeding:
         return None
@@ -74,7 +69,7 @@ def output_reach(gm: fx.GraphModule) -> OutputReach | None:
     # graphs and eager code after it) is no use of the parameter here: whoever reads it may be eager
     # code, whose gradient autograd does not route through this graph's output.
     result_masks = [
-        sources.get(result, 0) if isinstance(result, fx.Node) and not _is_fsdp_node(result) else 0 for result in results
+        sources.get(result, 0) if isinstance(result, fx.Node) and fsdp_annotation(result) is None else 0 for result in results
     ]
     inputs = []
     for node, node_bit in bit.items():

@@ -24,6 +24,7 @@ import fsdp_compile.kernels  # noqa: F401 - registers torch.ops.fsdp_compile's c
 import fsdp_compile.traceable  # noqa: F401 - registers torch.ops.fsdp_compile's frame ops (FRAME_GATHER, DELIVER_GRADIENT)
 from fsdp_compile.annotations import (
     BLOCK_FRAME_TOKEN, BUCKET_KEY, FSDP_ANNOTATION_KEY, GROUP_KEY, GROUPS_KEY, PARAM_KEY, PARAMS_KEY, RESHARD_AFTER_FORWARD_KEY, STATE_KEY,
+    fsdp_annotation,
 )
 
 __all__ = [
@@ -119,14 +120,6 @@ def erase_unused_chain(graph: fx.Graph, node: Any) -> None:
         source = node.args[0] if node.args else None
         graph.erase_node(node)
         node = source
-
-
-def fsdp_annotation(node: fx.Node) -> dict | None:
-    """The FSDP annotation of ``node`` (keys in ``fsdp_compile.annotations``), or None if it has none."""
-    custom = node.meta.get("custom")
-    if isinstance(custom, dict) and custom.get(FSDP_ANNOTATION_KEY):
-        return custom
-    return None
 
 
 def is_tangent(node: fx.Node) -> bool:

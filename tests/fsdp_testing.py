@@ -268,3 +268,19 @@ def blocks_as_frames(on: bool = True, recompile_limit: int | None = None):
         yield
     finally:
         fsdp_compile.config.compile_blocks_as_frames, torch._dynamo.config.recompile_limit = previous
+
+
+def wait_for_background_run(started: tuple, what: str, timeout_s: float = 600) -> tuple[str, object]:
+    """Wait for a run the suite started in the background at collection (``(process, out_dir,
+    scratch)``, see conftest's ``_BACKGROUND_RUNS``): its stdout and out dir, or a failure quoting it."""
+    import subprocess
+
+    process, out_dir, scratch = started
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise
+    stdout, stderr = (scratch / "stdout").read_text(), (scratch / "stderr").read_text()
+    assert process.returncode == 0, f"{what} failed:\n{stdout}\n{stderr[-4000:]}"
+    return stdout, out_dir

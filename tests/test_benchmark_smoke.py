@@ -19,6 +19,7 @@ import pytest
 
 from benchmarks.config import MODES
 from conftest import SCALAR_INDUCTOR_ENV
+from fsdp_testing import wait_for_background_run
 
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -60,16 +61,8 @@ def start_benchmark_run() -> tuple[subprocess.Popen, pathlib.Path, pathlib.Path]
 @pytest.fixture(scope="module")
 def run(request):
     started = getattr(request.config, "benchmark_smoke_run", None) or start_benchmark_run()
-    process, out_dir, scratch = started
-    try:
-        process.wait(timeout=600)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        raise
-    stdout, stderr = (scratch / "stdout").read_text(), (scratch / "stderr").read_text()
-    assert process.returncode == 0, f"benchmark failed:\n{stdout}\n{stderr[-4000:]}"
-    yield stdout, out_dir
-    shutil.rmtree(scratch, ignore_errors=True)
+    yield wait_for_background_run(started, "benchmark")
+    shutil.rmtree(started[2], ignore_errors=True)
 
 
 def _table_rows(stdout: str) -> dict[str, list[str]]:

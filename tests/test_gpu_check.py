@@ -23,6 +23,7 @@ import pytest
 
 from benchmarks.gpu import ALL_MODES, OUT_FILES, PYTEST_SELECTION, Stage, _execute, build_stages
 from conftest import REPO_DIR
+from fsdp_testing import wait_for_background_run
 
 STAGES = ("pytest", "kernels", "bench-default", "bench-compute", "bench-overhead", "offload")
 
@@ -43,16 +44,8 @@ def start_dry_run() -> tuple[subprocess.Popen, pathlib.Path, pathlib.Path]:
 @pytest.fixture(scope="module")
 def dry_run(request):
     started = getattr(request.config, "gpu_dry_run", None) or start_dry_run()
-    process, out_dir, scratch = started
-    try:
-        process.wait(timeout=600)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        raise
-    stdout, stderr = (scratch / "stdout").read_text(), (scratch / "stderr").read_text()
-    assert process.returncode == 0, f"dry run failed:\n{stdout}\n{stderr[-4000:]}"
-    yield stdout, out_dir
-    shutil.rmtree(scratch, ignore_errors=True)
+    yield wait_for_background_run(started, "dry run")
+    shutil.rmtree(started[2], ignore_errors=True)
 
 
 def test_dry_run_writes_a_few_files_and_no_folders(dry_run):
