@@ -124,7 +124,7 @@ def test_gpu_commands_parse_with_the_tools_they_call(tmp_path):
             assert not config.warm_compile
         elif stage.kind == "kernels":
             args = benchmarks.kernels.parse_args(argv)
-            assert args.sizes_mb == [1, 16, 256, 1024] and not args.cpu and args.jsonl
+            assert args.sizes_mb == [1, 64, 1024] and not args.cpu and args.jsonl
         elif stage.kind == "offload":
             config = benchmarks.offload.parse_args(argv)
             assert config.bench.device == "cuda" and config.variants == ("none", "pinned", "unpinned")
@@ -133,7 +133,9 @@ def test_gpu_commands_parse_with_the_tools_they_call(tmp_path):
     compute = benchmarks.config.parse_args(stages[3].argv[2:])
     assert (compute.dim, compute.layers, compute.bf16) == (2048, 8, True)
     overhead = benchmarks.config.parse_args(stages[4].argv[2:])
-    assert (overhead.dim, overhead.layers, overhead.steps) == (32, 16, 40)
+    # benchmarks' --overhead preset, with fewer steps for the box and every mode of the stage.
+    assert (overhead.world_size, overhead.dim, overhead.layers, overhead.steps) == (1, 32, 16, 20)
+    assert overhead.modes == ALL_MODES
     # Every mode the benchmark knows that trains the same model another way, none of the ablations.
     assert set(benchmarks.config.MODES) <= set(ALL_MODES) <= set(benchmarks.config.SCALING_MODES) | set(benchmarks.config.MODES)
 
