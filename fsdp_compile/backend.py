@@ -23,7 +23,7 @@ except ImportError:  # a torch without Inductor's partitioner hook
     _CustomPartitionerFn = None
 
 from fsdp_compile.graph_check import check_collectives_match_across_ranks
-from fsdp_compile.unreached import forget_unreached_gradients, output_reach
+from fsdp_compile.unreached import GradientDelivery, forget_unreached_gradients, output_reach
 
 __all__ = ["fsdp_inductor", "fsdp_inductor_with", "fsdp_aot_eager", "observe_graphs", "traced_for_an_fsdp_backend"]
 
@@ -625,7 +625,7 @@ def _compile_with_inductor(
     reach = output_reach(gm)
     with _said_when_dynamo_falls_back("fsdp_inductor"), _region_schemas_kept():
         compiled = compile_fx(gm, example_inputs, config_patches=config_patches)
-    return forget_unreached_gradients(compiled, reach)
+    return forget_unreached_gradients(compiled, reach, _runtime_gradient_delivery())
 
 
 def _asks_for_settings(mode: str | None, options: dict[str, Any] | None) -> bool:
@@ -775,7 +775,15 @@ def fsdp_aot_eager(
             gm, example_inputs, fw_compiler=run_eagerly("forward"), bw_compiler=run_eagerly("backward"), partition_fn=partition,
             decompositions=TRACED_OP_DECOMPOSITIONS,
         )
-    return forget_unreached_gradients(compiled, reach)
+    return forget_unreached_gradients(compiled, reach, _runtime_gradient_delivery())
+
+
+def _runtime_gradient_delivery() -> GradientDelivery:
+    """The runtime's side of [Note: a graph output left out of the loss] (unreached.py)."""
+    from fsdp_compile.param_group import gradient_holder
+    from fsdp_compile.state import land_late_reductions
+
+    return GradientDelivery(gradient_holder, land_late_reductions)
 
 
 # [Note: warm start across processes]

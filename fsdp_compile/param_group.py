@@ -20,7 +20,7 @@ from fsdp_compile.kernels import ops, quantized, quantized_reference
 from fsdp_compile.mesh import MeshInfo, PostForwardMeshInfo
 from fsdp_compile.param import FSDPParam, ShardedState
 
-__all__ = ["TrainingState", "FSDPParamGroup", "owner_of_late_gradient_sink"]
+__all__ = ["TrainingState", "FSDPParamGroup", "owner_of_late_gradient_sink", "gradient_holder"]
 
 # Each parameter's late_gradient_sink, by address: the group and parameter a block frame's backward
 # graph (one for every block of its structure) hands a reduced gradient for
@@ -35,6 +35,17 @@ def owner_of_late_gradient_sink(sink: torch.Tensor) -> "tuple[FSDPParamGroup, FS
     if group is None:
         raise RuntimeError("fsdp_compile: a compiled backward handed over a gradient for a parameter no live fully_shard group owns")
     return group, group.fsdp_params[index]
+
+
+def gradient_holder(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor whose ``.grad`` a compiled graph input's gradient ends in: the parameter a block
+    frame's late gradient sink delivers to, else the input itself (a parameter, or a no-sync sink)."""
+    if tensor.numel() == 1 and not isinstance(tensor, torch.nn.Parameter):
+        reference, index = _owners_by_late_sink.get(tensor.data_ptr(), (None, -1))
+        group = reference() if reference is not None else None
+        if group is not None and group.fsdp_params[index].late_gradient_sink is tensor:
+            return group.fsdp_params[index].sharded_param
+    return tensor
 
 
 def _eager_only(method: Callable[..., Any]) -> Callable[..., Any]:

@@ -13,7 +13,7 @@ compile time) lists the graph inputs that feed a managed parameter's traced read
 or the sink its gradient goes to) and the outputs each of them reaches. At run time a hook on those
 outputs sees which got a gradient; at the end of the backward every such input that reached none,
 in none of the graphs it was read in, gets back the ``.grad`` of None it had before, after the late
-reduce-scatters have landed (``land_late_reductions``). An input whose ``.grad`` held something
+reduce-scatters have landed (``GradientDelivery.land_pending``). An input whose ``.grad`` held something
 keeps it: adding the zeros changed nothing. The collectives are those of the graph either way.
 An unsharded parameter a graph returns (a group gathered in a graph of its own for the graphs and
 eager code after it) counts as no output: eager code that reads it delivers its gradient by the
@@ -30,7 +30,17 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from fsdp_compile.annotations import fsdp_annotation
 
-__all__ = ["OutputReach", "output_reach", "forget_unreached_gradients"]
+__all__ = ["OutputReach", "GradientDelivery", "output_reach", "forget_unreached_gradients"]
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientDelivery:
+    """What of the runtime's gradient delivery this module needs, handed in by the backend (so that
+    it imports no runtime module): the tensor whose ``.grad`` a graph input's gradient ends in, and
+    landing the reduce-scatters still in flight (which write ``.grad`` when they land)."""
+
+    holder_of: Callable[[torch.Tensor], torch.Tensor]
+    land_pending: Callable[[], None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,15 +93,14 @@ class _BackwardRecord:
     """What the graphs of one backward learned: the gradient holders an output of theirs reached, and
     those none did, with whether their ``.grad`` was None before."""
 
-    def __init__(self, graph_task: int) -> None:
+    def __init__(self, graph_task: int, delivery: GradientDelivery) -> None:
         self.graph_task = graph_task
+        self.delivery = delivery
         self.reached: set[int] = set()
         self.unreached: dict[int, tuple[torch.Tensor, bool]] = {}
 
     def forget(self) -> None:
-        from fsdp_compile.state import land_late_reductions
-
-        land_late_reductions()  # a late reduce-scatter writes its .grad when it lands
+        self.delivery.land_pending()
         for key, (holder, was_none) in self.unreached.items():
             if was_none and key not in self.reached:
                 holder.grad = None
@@ -103,30 +112,15 @@ class _Backwards:
     current: _BackwardRecord | None = None
 
     @classmethod
-    def record(cls) -> _BackwardRecord:
+    def record(cls, delivery: GradientDelivery) -> _BackwardRecord:
         graph_task = torch._C._current_graph_task_id()
         if cls.current is None or cls.current.graph_task != graph_task:
-            cls.current = _BackwardRecord(graph_task)
+            cls.current = _BackwardRecord(graph_task, delivery)
             torch.autograd.Variable._execution_engine.queue_callback(cls.current.forget)
         return cls.current
 
 
-def _gradient_holder(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor whose ``.grad`` a graph input's gradient ends in: the parameter a block frame's late
-    gradient sink delivers to, else the input itself (a parameter, or a no-sync sink)."""
-    from fsdp_compile.param_group import owner_of_late_gradient_sink
-
-    if tensor.numel() == 1 and not isinstance(tensor, torch.nn.Parameter):
-        try:
-            _, fsdp_param = owner_of_late_gradient_sink(tensor)
-        except RuntimeError:
-            return tensor
-        if fsdp_param.late_gradient_sink is tensor:
-            return fsdp_param.sharded_param
-    return tensor
-
-
-def _watch(reach: OutputReach, inputs: list[Any], outputs: Sequence[Any]) -> None:
+def _watch(reach: OutputReach, inputs: list[Any], outputs: Sequence[Any], delivery: GradientDelivery) -> None:
     watched = [
         (index, output) for index, output in enumerate(outputs)
         if index in reach.outputs and isinstance(output, torch.Tensor) and output.requires_grad
@@ -136,11 +130,11 @@ def _watch(reach: OutputReach, inputs: list[Any], outputs: Sequence[Any]) -> Non
 
     def hook(grads: Sequence[torch.Tensor | None]) -> None:
         used = {index for (index, _), grad in zip(watched, grads) if grad is not None}
-        record = _Backwards.record()
+        record = _Backwards.record(delivery)
         for tensor, (_, reached) in zip(inputs, reach.inputs):
             if not isinstance(tensor, torch.Tensor):
                 continue
-            holder = _gradient_holder(tensor)
+            holder = delivery.holder_of(tensor)
             if reached & used:
                 record.reached.add(id(holder))
             elif id(holder) not in record.unreached:
@@ -149,7 +143,9 @@ def _watch(reach: OutputReach, inputs: list[Any], outputs: Sequence[Any]) -> Non
     register_multi_grad_hook([output for _, output in watched], hook, mode="all")
 
 
-def forget_unreached_gradients(compiled: Callable[..., Any], reach: OutputReach | None) -> Callable[..., Any]:
+def forget_unreached_gradients(
+    compiled: Callable[..., Any], reach: OutputReach | None, delivery: GradientDelivery,
+) -> Callable[..., Any]:
     """``compiled`` (a backend's compiled forward) that gives an unreached parameter back its None
     gradient; see [Note: a graph output left out of the loss]. ``compiled`` itself where the graph
     reads no managed parameter."""
@@ -163,7 +159,7 @@ def forget_unreached_gradients(compiled: Callable[..., Any], reach: OutputReach 
         inputs = [flat[index] for index, _ in reach.inputs] if torch.is_grad_enabled() else None
         outputs = compiled(*args)
         if inputs is not None and not torch._dynamo.config.compiled_autograd:
-            _watch(reach, inputs, outputs if isinstance(outputs, (tuple, list)) else (outputs,))
+            _watch(reach, inputs, outputs if isinstance(outputs, (tuple, list)) else (outputs,), delivery)
         return outputs
 
     run.__dict__.update(compiled.__dict__)  # zero_grad, named_parameters, serialize, ...
