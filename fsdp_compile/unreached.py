@@ -49,10 +49,11 @@ class OutputReach:
     it reaches (see [Note: a graph output left out of the loss])."""
 
     inputs: tuple[tuple[int, frozenset[int]], ...]
+    outputs: frozenset[int] = dataclasses.field(init=False)  # every output some input reaches
 
-    @property
-    def outputs(self) -> frozenset[int]:
-        return frozenset().union(*(reached for _, reached in self.inputs))
+    def __post_init__(self) -> None:
+        # Once per compile, not per graph call: the wrapper reads it on every forward.
+        object.__setattr__(self, "outputs", frozenset().union(*(reached for _, reached in self.inputs)))
 
 
 def output_reach(gm: fx.GraphModule) -> OutputReach | None:
