@@ -26,7 +26,9 @@ collective runs). The implementations compared:
 GB/s counts the bytes the operation must move at least (read each input element once, write
 each output element once, whatever an implementation actually moves), so the columns compare;
 "% copy" is that over the bandwidth of one large same-device ``copy_`` timed in the same run.
-CUDA timings use CUDA events around ``--iters`` back-to-back calls. Without CUDA the script
+CUDA timings: the device time of ``--iters`` back-to-back calls between CUDA events, queued behind
+a sleep on the stream so the host's launching stays out of it, and apart from it the host's time
+per call (see [Note: device time apart from host time]); GB/s is from the device time. Without CUDA the script
 says so and times the reference against FSDP2's ops (and the compiled reference) on small CPU
 groups, so it still runs.
 
@@ -222,30 +224,70 @@ class CompiledReference:
             setattr(self, name, torch.compile(getattr(reference, name), backend=backend, dynamic=False, fullgraph=True))
 
 
-def time_call(call: Callable[[], None], device: torch.device, warmup: int, iters: int) -> float:
-    """Seconds per call."""
+@dataclass(frozen=True)
+class Timing:
+    """Seconds per call: on the device (kernels back to back) and on the host (launching them)."""
+
+    device_s: float
+    host_s: float
+
+
+def time_call(call: Callable[[], None], device: torch.device, warmup: int, iters: int) -> Timing:
+    """Per-call device and host time; on CPU both are the wall time.
+
+    [Note: device time apart from host time] Events around a loop of calls measure the larger of
+    the host's launch time and the kernels' time: a small group's copy takes microseconds on the
+    device but its Python and launch cost more, so the first H200 table showed ~1.5 ms per call at
+    every size, the host's. Here the host's time per call is measured alone first (no synchronize
+    inside the loop), then the stream is held by ``torch.cuda._sleep`` for longer than the host
+    needs to queue all calls, so the events around them see only the kernels, back to back.
+    """
     for _ in range(warmup):
         call()
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
+    if device.type != "cuda":
+        begin = time.perf_counter()
         for _ in range(iters):
             call()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3 / iters
+        seconds = (time.perf_counter() - begin) / iters
+        return Timing(seconds, seconds)
+    torch.cuda.synchronize()
     begin = time.perf_counter()
     for _ in range(iters):
         call()
-    return (time.perf_counter() - begin) / iters
+    host_s = (time.perf_counter() - begin) / iters
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(int(_sleep_cycles_per_s(device) * (2.0 * host_s * iters + 1e-3)))
+    start.record()
+    for _ in range(iters):
+        call()
+    end.record()
+    end.synchronize()
+    return Timing(start.elapsed_time(end) / 1e3 / iters, host_s)
+
+
+_SLEEP_CALIBRATION: dict[torch.device, float] = {}
+
+
+def _sleep_cycles_per_s(device: torch.device) -> float:
+    """How many ``torch.cuda._sleep`` cycles one second of device time holds (measured once)."""
+    if device not in _SLEEP_CALIBRATION:
+        cycles = 10_000_000
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(cycles)  # warm-up
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        _SLEEP_CALIBRATION[device] = cycles / (start.elapsed_time(end) / 1e3)
+    return _SLEEP_CALIBRATION[device]
 
 
 def copy_bandwidth(device: torch.device, nbytes: int, warmup: int, iters: int) -> float:
     """Bytes per second of one large same-device copy (read + write)."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
     dst = torch.empty_like(src)
-    seconds = time_call(lambda: dst.copy_(src), device, warmup, iters)
+    seconds = time_call(lambda: dst.copy_(src), device, warmup, iters).device_s
     del src, dst
     return 2 * nbytes / seconds
 
@@ -387,8 +429,8 @@ def main(argv=None) -> None:
         f"world {args.world}; dtypes (param/compute/reduce) {', '.join('/'.join(s) for s in settings)}; divide "
         f"{args.divide}; accumulate {args.accumulate}; {iters} timed calls per row\n"
     )
-    print("| op | cast | group MB | params | impl | time (us) | GB/s | % copy |")
-    print("|---|---|---:|---:|---|---:|---:|---:|", flush=True)
+    print("| op | cast | group MB | params | impl | device us | host us | GB/s | % copy |")
+    print("|---|---|---:|---:|---|---:|---:|---:|---:|", flush=True)
     # Two passes: the uncompiled implementations, then the compiled reference, whose compile per
     # group shape costs seconds; within each, parameter counts outermost. A run cut short thus keeps
     # whole tables of the first counts given, for every implementation but the compiled one.
@@ -415,15 +457,16 @@ def _time_row(case: Case, impl: str, row: dict, device: torch.device, warmup: in
     row = dict(row, impl=impl, bytes=case.bytes_moved)
     cells = f"| {row['op']} | {row['cast']} | {row['size_mb']:g} | {row['params']} | {impl} |"
     try:
-        seconds = time_call(case.calls[impl], device, warmup, iters)
+        timing = time_call(case.calls[impl], device, warmup, iters)
     except Exception as error:  # noqa: BLE001 - one failing implementation leaves the others' rows
         message = f"{type(error).__name__}: {next(iter(str(error).splitlines()), '')}"[:200]
         log.write(**row, error=message)
-        print(f"{cells} error: {message.replace('|', '/')} | | |", flush=True)
+        print(f"{cells} error: {message.replace('|', '/')} | | | |", flush=True)
         return
-    rate = case.bytes_moved / seconds
-    log.write(**row, us=seconds * 1e6, gb_s=rate / 1e9, copy_fraction=rate / peak)
-    print(f"{cells} {seconds * 1e6:.1f} | {rate / 1e9:.1f} | {100 * rate / peak:.0f}% |", flush=True)
+    rate = case.bytes_moved / timing.device_s
+    log.write(**row, us=timing.device_s * 1e6, host_us=timing.host_s * 1e6, gb_s=rate / 1e9, copy_fraction=rate / peak)
+    print(f"{cells} {timing.device_s * 1e6:.1f} | {timing.host_s * 1e6:.1f} | {rate / 1e9:.1f} | {100 * rate / peak:.0f}% |",
+          flush=True)
 
 if __name__ == "__main__":
     main()

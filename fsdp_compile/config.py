@@ -40,6 +40,11 @@ import os as _os  # noqa: E402
 from dataclasses import dataclass as _dataclass  # noqa: E402
 
 
+BUCKET_COPY_CHOICES = ("auto", "ops", "inductor")
+# On CUDA the bucket copies are the kernel table's faster: see "Bucket copies on CUDA" in docs/gpu.md.
+CUDA_BUCKET_COPY = "ops"
+
+
 @_dataclass(frozen=True)
 class PassConfig:
     """Knobs of the post-grad passes; read once when the backend compiles a graph.
@@ -63,8 +68,23 @@ class PassConfig:
     # reduce-scatter inputs: the unsharded buckets they keep allocated); None: no bound. A prefetch
     # that does not fit is postponed; a collective that must issue first waits on older ones.
     max_inflight_bytes: int | None = None
+    # How a bucket of several parameters is copied into the all-gather input and out of its output:
+    # "ops", one extern node each (fsdp_compile's copy-in / copy-out ops: the Triton kernels on CUDA);
+    # "inductor", a cat of per-parameter casts and per-parameter slices that Inductor fuses and
+    # generates code for; "auto", the one measured faster on the graph's device (CUDA_BUCKET_COPY).
+    bucket_copy: str = "auto"
     # FSDP_COMPILE_DUMP=dir: each graph before and after each pass, plus a collectives timeline.
     dump_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.bucket_copy not in BUCKET_COPY_CHOICES:
+            raise ValueError(f"PassConfig.bucket_copy={self.bucket_copy!r}: choose one of {', '.join(BUCKET_COPY_CHOICES)}")
+
+    def bucket_copy_for(self, device: "torch.device") -> str:
+        """``bucket_copy`` with "auto" decided for ``device``: "ops" or "inductor"."""
+        if self.bucket_copy != "auto":
+            return self.bucket_copy
+        return CUDA_BUCKET_COPY if device.type == "cuda" else "ops"
 
     def resolved(self) -> "PassConfig":
         """This config with ``dump_dir`` taken from ``FSDP_COMPILE_DUMP`` when unset."""

@@ -178,7 +178,7 @@ def _hoist_above(node: fx.Node, anchor: fx.Node, position: dict[fx.Node, float])
     return True
 
 
-def _bucket_all_gather(graph: fx.Graph, bucket: _Bucket) -> bool:
+def _bucket_all_gather(graph: fx.Graph, bucket: _Bucket, config: PassConfig) -> bool:
     position: dict[fx.Node, float] = {n: float(i) for i, n in enumerate(graph.nodes)}
     anchor = min((m.collective for m in bucket.members), key=position.__getitem__)
     if not all(_hoist_above(m.collective.args[0], anchor, position) for m in bucket.members):
@@ -187,9 +187,11 @@ def _bucket_all_gather(graph: fx.Graph, bucket: _Bucket) -> bool:
     _, _, world, group_name, dtype = bucket.key  # dtype: every member's all-gather input's
     annotation = _bucket_annotation(bucket, "all_gather")
     total = bucket.numel()
+    sent = node_value(bucket.members[0].collective.args[0])
+    copy_ops = isinstance(sent, torch.Tensor) and config.bucket_copy_for(sent.device) == "ops"
     with graph.inserting_before(anchor):
         shards = [_unpadded_shard(m) for m in bucket.members]
-        if len(bucket.members) > 1 and all(shard is not None for shard in shards):
+        if copy_ops and len(bucket.members) > 1 and all(shard is not None for shard in shards):
             copy_in = new_node(graph, COPY_IN, (shards, [m.numel for m in bucket.members], dtype), annotation)
         else:
             flats = [new_node(graph, _aten.reshape.default, (m.collective.args[0], [-1]), annotation) for m in bucket.members]
@@ -197,7 +199,7 @@ def _bucket_all_gather(graph: fx.Graph, bucket: _Bucket) -> bool:
         gathered = new_node(graph, ALL_GATHER, (copy_in, world, group_name), annotation)
         waited = new_node(graph, WAIT, (gathered,), annotation)
         rows = new_node(graph, _aten.view.default, (waited, [world, total]), annotation)
-        if len(bucket.members) > 1 and dtype.is_floating_point:
+        if copy_ops and len(bucket.members) > 1 and dtype.is_floating_point:
             unsharded = _copy_out_in_one_node(graph, rows, bucket, annotation)
         else:
             unsharded = _copy_out_per_parameter(graph, rows, bucket, annotation)
@@ -390,7 +392,7 @@ def bucket_collectives(gm: fx.GraphModule, config: PassConfig) -> fx.GraphModule
     graph = gm.graph
     changed = False
     for bucket in _collect(graph, ALL_GATHER, config):
-        changed |= _bucket_all_gather(graph, bucket)
+        changed |= _bucket_all_gather(graph, bucket, config)
     for target in GRADIENT_REDUCTIONS:
         for bucket in _collect(graph, target, config):
             changed |= _bucket_reduction(graph, bucket)

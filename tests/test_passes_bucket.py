@@ -18,7 +18,7 @@ from fsdp_compile.passes import apply_post_grad_passes
 from fsdp_compile.passes.bucket import bucket_collectives
 from fsdp_compile.passes.reorder import reorder_collectives
 from fsdp_compile.passes.graph import (
-    ALL_GATHER, ALL_REDUCE, COPY_IN, FSDP_ANNOTATION_KEY, GROUP_KEY, REDUCE_SCATTER, WAIT, collective_nodes, fsdp_annotation,
+    ALL_GATHER, ALL_REDUCE, COPY_IN, COPY_OUT, FSDP_ANNOTATION_KEY, GROUP_KEY, REDUCE_SCATTER, WAIT, collective_nodes, fsdp_annotation,
     pass_counters,
 )
 
@@ -141,6 +141,28 @@ def test_mixed_precision_casts_happen_in_the_bucket_copy_in(fake_world):
     for scatter in collective_nodes(backward.graph, REDUCE_SCATTER):
         assert scatter.args[0].meta["val"].dtype == torch.float32
     assert pass_counters["bucket.gave_up"] == 0
+
+
+@pytest.mark.parametrize("choice", ["ops", "inductor"])
+def test_bucket_copy_choice_decides_between_the_extern_copy_ops_and_a_cat_inductor_fuses(fake_world, choice):
+    policy = fsdp_compile.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    forward, _ = _graphs(PassConfig(reorder=False, bucket_copy=choice), mp_policy=policy)
+    targets = Counter(node.target for node in forward.graph.nodes)
+    copy_ins = [gather.args[0] for gather in collective_nodes(forward.graph, ALL_GATHER)]
+    if choice == "ops":
+        assert targets[COPY_IN] >= 2 and targets[COPY_OUT] >= 2, targets
+    else:  # the same buckets, written by a cat of per-parameter casts Inductor fuses into one kernel
+        assert targets[COPY_IN] == 0 and targets[COPY_OUT] == 0, targets
+        assert sum(copy_in.target is torch.ops.aten.cat.default for copy_in in copy_ins) >= 2
+    assert len(copy_ins) == 3 and all(copy_in.meta["val"].dtype == torch.bfloat16 for copy_in in copy_ins)
+    assert pass_counters["bucket.gave_up"] == 0
+
+
+def test_bucket_copy_auto_is_the_extern_ops_on_cpu_and_an_unknown_choice_is_refused():
+    assert PassConfig().bucket_copy_for(torch.device("cpu")) == "ops"
+    assert PassConfig(bucket_copy="inductor").bucket_copy_for(torch.device("cpu")) == "inductor"
+    with pytest.raises(ValueError, match="bucket_copy='triton'.*auto, ops, inductor"):
+        PassConfig(bucket_copy="triton")
 
 
 def test_merge_small_groups_under_a_byte_cap(fake_world):
