@@ -162,7 +162,8 @@ def build_stages(dry_run: bool, scratch: Path, out_dir: Path) -> list[Stage]:
               interrupt=signal.SIGINT, skip=no_pytest),
     ]
     kernels_jsonl = scratch / "kernels.jsonl"
-    kernels_argv = ["-m", "benchmarks.kernels", "--dtypes", *KERNEL_DTYPES, "--impls", "triton", "reference", "inductor", "fsdp2"]
+    kernels_argv = ["-m", "benchmarks.kernels", "--dtypes", *KERNEL_DTYPES, "--impls", "triton", "reference", "inductor", "fsdp2",
+                    "--host-profile"]
     if dry_run:
         kernels_argv += ["--cpu", "--sizes-mb", "0.0625", "--params", "3", "--world", "2", "--iters", "1", "--warmup", "1",
                          "--compile-backend", "aot_eager"]

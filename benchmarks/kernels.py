@@ -41,6 +41,7 @@ cut short keeps what it measured (``python -m benchmarks.gpu`` reads it).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import time
@@ -79,11 +80,12 @@ class Group:
     def layout(self, shape: tuple[int, ...], rank: int = 0) -> ShardLayout:
         return ShardLayout(shape, 0, self.world, rank)
 
-    @property
+    @functools.cached_property
     def padded(self) -> list[int]:
+        # Cached: the calls timed take it as an argument, and its layouts would be the host's time.
         return [self.layout(shape).padded_shard_numel for shape in self.shapes]
 
-    @property
+    @functools.cached_property
     def total(self) -> int:
         return sum(self.padded)
 
@@ -344,6 +346,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--warmup", type=int, default=None,
         help="untimed calls first, which also compile Triton and Inductor code (default: 3 on CUDA, 1 on CPU)",
     )
+    parser.add_argument("--host-profile", action="store_true",
+                        help="after the uncompiled rows, cProfile each op's first implementation on a small group")
     parser.add_argument("--cpu", action="store_true", help="run the CPU table even when CUDA is available")
     parser.add_argument("--jsonl", default=None, metavar="PATH", help="also append each row to PATH as a JSON line, as it is measured")
     return parser.parse_args(argv)
@@ -437,7 +441,9 @@ def main(argv=None) -> None:
     passes = [(impls, want_fsdp2, args.params, sizes)]
     if compiled is not None:
         passes.append(({inductor_label: compiled}, False, args.inductor_params or args.params, args.inductor_sizes_mb or sizes))
-    for pass_impls, fsdp2, param_counts, pass_sizes in passes:
+    for index, (pass_impls, fsdp2, param_counts, pass_sizes) in enumerate(passes):
+        if index == 1 and args.host_profile:
+            _print_host_profile(impls, pairs, args, device)
         for num_params in param_counts:
             for (op, src_name, dst_name), param_name in pairs.items():
                 for size_mb in pass_sizes:
@@ -450,6 +456,39 @@ def main(argv=None) -> None:
                     del case
                     if use_cuda:
                         torch.cuda.empty_cache()
+
+
+def _print_host_profile(impls: Impls, pairs: dict, args: argparse.Namespace, device: torch.device) -> None:
+    """Where the host's time per call goes: cProfile over calls of each op on a small group (10
+    parameters, 1 MB), for the first implementation timed (Triton on CUDA), top functions by own time."""
+    import cProfile
+    import io
+    import pstats
+
+    if not impls:
+        return
+    name = next(iter(impls))
+    calls = 200
+    print(f"\nHost profile: {name}, {calls} calls per op on a 10-parameter 1 MB group, functions by own time (tottime)\n")
+    for (op, src_name, dst_name), param_name in pairs.items():
+        group = make_group(MB, 10, args.world, DTYPES[param_name].itemsize)
+        case = _build_case(op, group, DTYPES[src_name], DTYPES[dst_name], device, {name: impls[name]}, False, args)
+        call = case.calls[name]
+        for _ in range(3):
+            call()
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(calls):
+            call()
+        profiler.disable()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        text = io.StringIO()
+        stats = pstats.Stats(profiler, stream=text)
+        stats.sort_stats("tottime").print_stats(10)
+        total_us = stats.total_tt / calls * 1e6
+        body = "\n".join(line for line in text.getvalue().splitlines() if line.strip() and not line.startswith("   Ordered"))
+        print(f"{op} {src_name}->{dst_name}: {total_us:.0f} us per call under the profiler\n```\n{body}\n```", flush=True)
 
 
 def _time_row(case: Case, impl: str, row: dict, device: torch.device, warmup: int, iters: int, peak: float, log: _RowLog) -> None:

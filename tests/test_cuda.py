@@ -487,6 +487,35 @@ def test_triton_kernels_equal_reference_on_a_large_group_and_serve_the_custom_op
         _same_bits(a, b)
 
 
+def test_triton_launch_metadata_is_copied_once_per_group_and_read_from_any_stream(cuda, compiled_triton):
+    """[Note: launch metadata kept on the device]: the second call with the same tensors reuses the
+    first call's metadata, new values in those tensors are still copied, and a launch on another
+    stream right after the first reads complete metadata."""
+    from fsdp_compile.kernels import reference
+    from test_kernels import make_group, shard
+
+    world = 2
+    shapes, padded = make_group(3, world, seed=0)
+    shards = [shard(torch.randn(s, device=cuda), 0, world) for s in shapes]
+    row, expected = torch.empty(sum(padded), device=cuda), torch.empty(sum(padded), device=cuda)
+    cache = compiled_triton._metadata_on_device
+    cache.cache_clear()
+    side = torch.cuda.Stream()
+    compiled_triton.all_gather_copy_in(shards, padded, row)
+    with torch.cuda.stream(side):  # no wait on the default stream: the metadata must already be there
+        side_row = torch.empty(sum(padded), device=cuda)
+        compiled_triton.all_gather_copy_in(shards, padded, side_row)
+    side.synchronize()
+    for shard in shards:
+        shard.mul_(-2.0)
+    compiled_triton.all_gather_copy_in(shards, padded, row)
+    info = cache.cache_info()
+    assert (info.misses, info.hits) == (2, 1), info  # the side stream's output is another address
+    reference.all_gather_copy_in(shards, padded, expected)
+    _same_bits(row, expected)
+    assert torch.equal(side_row, expected / -2.0)  # the values before the sign flip (+0 and -0 padding alike)
+
+
 # The quantized kernels (test_quant_kernels.py's cases), here compiled for the GPU.
 
 

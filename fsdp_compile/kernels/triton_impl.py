@@ -22,6 +22,8 @@ GPU and the interpreter (whose fp32->bf16 cast truncates) agree with ``Tensor.to
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -539,7 +541,11 @@ def _check_launchable(op: str, device: torch.device) -> None:
 def _metadata(
     tensors: list[torch.Tensor], padded_numels: list[int], num_blocks: list[int], device: torch.device
 ) -> torch.Tensor:
-    """``[addresses | numels | padded | offsets | block_starts]`` as one int64 tensor on ``device``."""
+    """``[addresses | numels | padded | offsets | block_starts]`` as one int64 tensor on ``device``.
+
+    On CUDA the tensor is shared by every call with the same values and must not be written
+    (see [Note: launch metadata kept on the device]); elsewhere it is the caller's own.
+    """
     offsets = reference._offsets(padded_numels)
     block_starts, running = [], 0
     for count in num_blocks:
@@ -547,20 +553,31 @@ def _metadata(
         running += count
     block_starts.append(running)
     values = (
-        [tensor.data_ptr() for tensor in tensors]
-        + [tensor.numel() for tensor in tensors]
-        + list(padded_numels)
-        + offsets
-        + block_starts
+        *[tensor.data_ptr() for tensor in tensors],
+        *[tensor.numel() for tensor in tensors],
+        *padded_numels,
+        *offsets,
+        *block_starts,
     )
     if device.type != "cuda":
         return torch.tensor(values, dtype=torch.int64, device=device)
-    # Pinned staging lets the copy overlap; the caching host allocator keeps the block alive
-    # until the copy has run, so the host side can be dropped right away.
-    staged = torch.tensor(values, dtype=torch.int64, pin_memory=True)
-    return staged.to(device, non_blocking=True)
+    return _metadata_on_device(values, device)
 
 
+# [Note: launch metadata kept on the device]
+# A group's copies are launched with the same tensors every step (its shards, its unsharded
+# parameters' storage, its gradient buffers), so the launch metadata -- a function of the
+# addresses and sizes alone -- repeats. Staging it through pinned memory and copying it to the
+# device cost the host a large share of a launch on the H200 (benchmarks/kernels.py --host-profile);
+# each distinct metadata is copied once instead and kept. The first copy is synchronous, so a
+# launch on any stream may read the tensor at once; nothing ever writes it again. An address
+# reused by another tensor of the same size yields the same values, hence the same metadata.
+@functools.lru_cache(maxsize=1024)
+def _metadata_on_device(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+@functools.lru_cache(maxsize=64)
 def _divisor_and_reciprocal(factor: float) -> tuple[float, float]:
     """The float32 divisor torch uses, and the float32 reciprocal its CUDA kernels multiply by."""
     divisor = torch.tensor(factor, dtype=torch.float32)
