@@ -24,7 +24,7 @@ from fsdp_compile.mesh import (
 from fsdp_compile.optimizer_check import install_optimizer_check, mark_replaced
 from fsdp_compile.param import FSDPParam, ParamRef, parameters_placed_for_trace
 from fsdp_compile.param_group import FSDPParamGroup, TrainingState
-from fsdp_compile.state import FSDPState, all_states_under, state_of
+from fsdp_compile.state import FSDPState, all_states_under, inside_a_compiled_call, state_of
 from fsdp_compile.structures import map_tensors, tensors_in
 from fsdp_compile.state_dict import register_state_dict_hooks
 from fsdp_compile import config
@@ -122,7 +122,11 @@ class FSDPModule:
         # it to the eager hooks (FSDPParamGroup.adopt_all_gather) rather than letting it go and
         # gathering again, which would issue one all-gather a step more than eager training.
         state = self._fsdp_state()
-        if state not in _warned_eager_frames:
+        root = state.outermost()
+        # A module called on its own, outside the compiled model's call (FSDP2's non-root forward
+        # and backward after the root's), runs its eager hooks as in eager training: nothing to warn of.
+        inside_the_compiled_model = inside_a_compiled_call() or root.frames_forward_running
+        if inside_the_compiled_model and state not in _warned_eager_frames:
             _warned_eager_frames.add(state)
             why = fsdp_frames_recompile_limit_reached() or (
                 "torch.compiler.disable, a recompile limit, a skipped frame, or a backend that failed on the graph, "
@@ -134,7 +138,6 @@ class FSDPModule:
                 "Numerics are unchanged; its collectives are not part of the compiled graph.",
                 stacklevel=2,
             )
-        root = state.outermost()
         if config.compile_blocks_as_frames and root.frames_forward_running:
             # A frame one rank runs eagerly while another runs it compiled gathers and reduces at other
             # points (the root's group, the backward prefetch): told apart here, before its collectives,

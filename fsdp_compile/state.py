@@ -36,7 +36,7 @@ from fsdp_compile.traceable import issue_frame_prefetch, trace_annotation, unsha
 if TYPE_CHECKING:
     from fsdp_compile.param import FSDPParam
 
-__all__ = ["FSDPState", "state_of", "all_states_under", "live_states"]
+__all__ = ["FSDPState", "state_of", "all_states_under", "live_states", "inside_a_compiled_call"]
 
 _STATE_ATTR = "_fsdp_compile_state"
 _live_states: "weakref.WeakSet[FSDPState]" = weakref.WeakSet()
@@ -70,7 +70,7 @@ def _gather_group_in_a_graph(state: "FSDPState") -> list[torch.Tensor]:
     return state.traced_unshard(group.fsdp_params)
 
 
-def _inside_a_compiled_call() -> bool:
+def inside_a_compiled_call() -> bool:
     """Whether this eager code runs inside a torch.compile'd call, in a frame Dynamo did not compile:
     one it gave up on, or one whose code it skips for good because an earlier trace of it held no op
     (the eager fallback's hooks, which stand aside when traced, leave that mark on code every model
@@ -462,7 +462,7 @@ class FSDPState:
         root = self.outermost()
         return (
             config.compile_blocks_as_frames and not config.skip_fsdp_hooks and self.training_state is TrainingState.IDLE
-            and (root.runs_compiled or _inside_a_compiled_call()) and root.training_state is TrainingState.IDLE
+            and (root.runs_compiled or inside_a_compiled_call()) and root.training_state is TrainingState.IDLE
             and torch._C._current_graph_task_id() == -1
         )
 

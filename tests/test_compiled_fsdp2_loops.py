@@ -474,3 +474,68 @@ def test_hsdp_with_shard_groups_of_one_rank_all_reduces_only_compiled_as_eagerly
     result = dist.run(2, _collectives_over_one_shard_rank, True)[0]
     assert result["collectives"] and all("all_reduce" in name or "allreduce" in name for name in result["collectives"]), result
     assert max(result["compiled_vs_eager"].values()) < 1e-6, result
+
+
+# --- a compiled model that quietly was not compiled ------------------------------------------------
+
+
+def _outside_the_compiled_root(case):
+    """FSDP2's loops that step outside the root's forward, eagerly and with the root compiled: a block
+    trained on its own after the root's steps ("non_root"), or a forward that raised midway and
+    ``reset_iter_state()`` ("reset"). What each model warned of, and the gaps."""
+    import warnings
+
+    from fsdp_testing import TinyLM
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    rank = dist.get_rank()
+    reference = TinyLM(dim=8, n_layers=2)
+    fail = [False]
+
+    def raise_when_told(module, args):
+        if fail[0]:
+            raise RuntimeError("a step that fails midway")
+
+    results = {"warned": [], "raised": 0}
+    models = []
+    for compiled in (False, True):
+        model = copy.deepcopy(reference)
+        model.layers[1].register_forward_pre_hook(raise_when_told)
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        models.append((model, torch.compile(model, backend="fsdp_aot_eager") if compiled else model))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(4):
+            tokens = torch.randint(0, 37, (2, 6), generator=torch.Generator().manual_seed(10 * step + rank))
+            for model, runner in models:
+                if step == 2 and case == "non_root":
+                    hidden = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(rank))
+                    model.layers[0](hidden).pow(2).mean().backward()
+                if step == 2 and case == "reset":
+                    fail[0] = True
+                    try:
+                        runner(tokens)
+                    except RuntimeError:
+                        results["raised"] += 1
+                        model.reset_iter_state()
+                    fail[0] = False
+                runner(tokens).float().pow(2).mean().backward()
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p -= 0.1 * p.grad
+                        p.grad = None
+    results["warned"] = [str(w.message)[:160] for w in caught if "fsdp_compile" in str(w.message)]
+    results["compiled_vs_eager"] = _gap(models[0][0], models[1][0])
+    return results
+
+
+@pytest.mark.parametrize("case", ["non_root", "reset"])
+def test_steps_outside_the_compiled_root_leave_it_compiled_and_warn_of_nothing(dist, case):
+    result = dist.run(2, _outside_the_compiled_root, case)[0]
+    # Before: the block trained on its own was reported as run eagerly inside the compiled model.
+    assert result["warned"] == [], result
+    assert result["raised"] == (2 if case == "reset" else 0), result
+    assert max(result["compiled_vs_eager"].values()) == 0.0, result
