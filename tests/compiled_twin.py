@@ -21,6 +21,9 @@ import functools
 from typing import Any, Callable, Iterator
 
 TWIN_BACKEND = "fsdp_aot_eager"
+# ``@pytest.mark.compiled_twin(costly="N s")``: the twin runs only with this variable set (the suite's
+# time budget); ``FSDP_COMPILE_ALL_TWINS=1 make test`` runs every twin.
+ALL_TWINS_ENV = "FSDP_COMPILE_ALL_TWINS"
 
 
 class _Switch:

@@ -273,8 +273,15 @@ _compiled_twin_backend: list[str | None] = [None]
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if metafunc.definition.get_closest_marker("compiled_twin") is not None:
-        metafunc.parametrize("compiled_root", [None, compiled_twin.TWIN_BACKEND], ids=["eager", "compiled"], indirect=True)
+    marker = metafunc.definition.get_closest_marker("compiled_twin")
+    if marker is None:
+        return
+    twin = compiled_twin.TWIN_BACKEND
+    if marker.kwargs.get("costly") and not os.environ.get(compiled_twin.ALL_TWINS_ENV):
+        # A twin that costs the suite more than its time budget allows runs on demand (docs/testing.md).
+        twin = pytest.param(twin, marks=pytest.mark.skip(
+            reason=f"a costly compiled twin ({marker.kwargs['costly']}): run it with {compiled_twin.ALL_TWINS_ENV}=1"))
+    metafunc.parametrize("compiled_root", [None, twin], ids=["eager", "compiled"], indirect=True)
 
 
 @pytest.fixture(autouse=True)

@@ -50,6 +50,7 @@ def test_parity_for_reshard_after_forward_to_smaller_mesh(dist):
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.compiled_twin(costly="72 s")
 def test_parity_with_uneven_dim0_sizes(dist, world_size):
     assert_matches_reference(dist.run(world_size, _parity_with_reference, "sgd", True, "UNEVEN"), LOSS_RTOL, PARAM_ATOL)
 
@@ -58,6 +59,7 @@ def test_parity_with_explicit_prefetch_lists(dist):
     assert_matches_reference(dist.run(2, _parity_with_reference, "adamw", True, explicit_prefetch=True), LOSS_RTOL, PARAM_ATOL)
 
 
+@pytest.mark.compiled_twin
 def test_gradient_accumulation_without_sync_matches_reference(dist):
     assert_matches_reference(dist.run(2, _parity_with_reference, "sgd", True, micro_batches=2), LOSS_RTOL, PARAM_ATOL)
 
@@ -84,6 +86,7 @@ def _hsdp_parity():
     return HsdpParity(losses, reference_losses, max_param_difference(model, reference), parameter_movement(initial, reference), [str(p) for p in placements])
 
 
+@pytest.mark.compiled_twin(costly="41 s")
 def test_hsdp_on_2x2_mesh_matches_reference(dist):
     results = dist.run(4, _hsdp_parity)
     assert results[0].placements == ["(Replicate(), Shard(dim=0))"]
@@ -131,6 +134,7 @@ def test_fp32_matches_torch_fully_shard_bitwise(dist):
     assert result.max_param_gap == 0.0
 
 
+@pytest.mark.compiled_twin
 def test_bf16_mixed_precision_matches_torch_fully_shard_bitwise(dist):
     result = dist.run(2, _parity_with_torch_fsdp2, "bfloat16")[0]
     assert result.our_losses == result.torch_losses
