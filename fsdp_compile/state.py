@@ -630,15 +630,28 @@ class FSDPState:
         if group is None:
             return []
         refused = []
-        alternative = "use the eager runtime or per-block compile (block.compile()), which run the eager hooks"
+        # Each refused setting's way out is tested to train as eagerly (test_compiled_settings.py).
+        alternative = (
+            "per-block compile honours it: block.compile(backend=\"fsdp_inductor\") on each block, the root left "
+            "uncompiled (FSDP2's and torchtitan's recipe), whose eager hooks around each compiled block do what the "
+            "setting asks; or the eager runtime"
+        )
         if not group.reshard_after_backward:
-            refused.append(f"set_reshard_after_backward(False): the compiled step all-gathers in every forward; {alternative}")
+            refused.append(
+                "set_reshard_after_backward(False): a compiled forward's all-gathers are nodes of its graph and run on "
+                "every call; they cannot be skipped because an earlier backward left the parameters gathered, so the "
+                f"compiled step would send the bytes this setting saves; {alternative}"
+            )
         if group.post_forward_mesh_info is not None:
             refused.append(f"an int reshard_after_forward: the compiled graph re-gathers from the full shard group; pass True or False, or {alternative}")
         if group.all_reduce_hook is not None:
             refused.append(f"set_all_reduce_hook: the compiled graph's reductions cannot call a Python hook; {alternative}")
         if group.fsdp_params[0].offload_to_cpu:
-            refused.append(f"CPUOffloadPolicy: the compiled graph all-gathers device shards; {alternative}")
+            refused.append(
+                "CPUOffloadPolicy: the compiled graph's all-gathers read the shards as device tensors and its "
+                "reduce-scatters write device gradients, while offloaded shards and gradients live in host memory "
+                f"(copied on the all-gather's stream and stepped on the CPU by the eager hooks); {alternative}"
+            )
         if group.custom_all_gather is not None or group.custom_reduce_scatter is not None:
             refused.append(f"set_custom_all_gather / set_custom_reduce_scatter: the compiled graph's collectives are functional ops, not Python objects; {alternative}")
         if group.reduce_scatter_unused_params:
