@@ -841,7 +841,6 @@ def _jvp_then_backward(reshard_after_forward: bool):
         "grad_types": sorted({type(g).__name__ for g in grads}),
         "vs_reference": max_difference(_full_grads(ours), [p.grad for p in reference.parameters()]),
         "vs_fsdp2": max_difference(_full_grads(ours), _full_grads(theirs)),
-        "resharded": all(type(p).__name__ == "DTensor" or hasattr(p, "placements") for p in ours.parameters()),
     }
 
 
