@@ -155,9 +155,11 @@ def mesh_info_for(mesh: DeviceMesh, dp_mesh_dims: DataParallelMeshDims | None = 
         return MeshInfo(mesh, group, mesh.size(0), mesh.get_local_rank(0), None, 1)
     if mesh.ndim == 2:
         if mesh.mesh_dim_names is None:
-            raise ValueError(
-                "fully_shard: a 2-D mesh means HSDP (replicate, shard) and needs dimension names, as in FSDP2: "
-                "init_device_mesh(device_type, (replicas, shards), mesh_dim_names=('replicate', 'shard'))"
+            # FSDP2's exception type and words (_fsdp_init.py), then ours.
+            raise AssertionError(
+                "Please init the 2D mesh for HSDP with mesh_dim_names specified. fully_shard: a 2-D mesh means HSDP "
+                "(replicate, shard): init_device_mesh(device_type, (replicas, shards), "
+                "mesh_dim_names=('replicate', 'shard'))"
             )
         return MeshInfo(
             mesh,

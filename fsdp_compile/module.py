@@ -324,9 +324,10 @@ class FSDPModule:
         """
         for group in self._groups(recurse=False):
             if stream is not None and group.mesh_info.replicate_group is not None:
+                # FSDP2's words first (_fully_shard.py), then ours.
                 raise ValueError(
-                    f"set_all_reduce_hook on '{self._fsdp_state().label}': stream cannot be set with HSDP (the hook "
-                    "runs after the replicas' all-reduce, on its stream)."
+                    f"stream cannot be set when using native HSDP: set_all_reduce_hook on '{self._fsdp_state().label}' "
+                    "runs the hook after the replicas' all-reduce, on that all-reduce's stream. Leave stream=None."
                 )
             group.all_reduce_hook, group.all_reduce_hook_stream = hook, stream
 
@@ -1081,15 +1082,22 @@ def _shard_dim(param: nn.Parameter, name: str, shard_placement_fn: Callable | No
         )
     dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
     if not 0 <= dim < param.dim():
-        raise ValueError(f"fully_shard({label}): shard_placement_fn returned Shard({placement.dim}) for the {param.dim()}-D '{name}'")
+        # FSDP2's exception type and words (_fsdp_param.py), then ours.
+        raise AssertionError(
+            f"Shard dim {dim} is invalid for {param.dim()}D tensor: {param.shape}. fully_shard({label}): "
+            f"shard_placement_fn returned Shard({placement.dim}) for the {param.dim()}-D '{name}'; return a dim "
+            f"below {param.dim()}, or None for Shard(0)."
+        )
     is_tp = isinstance(param, DTensor)
     shape = param._local_tensor.shape if is_tp else param.shape  # FSDP splits the tensor-parallel piece
     if dim > 0 and shape[dim] % info.shard_size != 0:
         piece = " in its tensor-parallel piece" if is_tp else ""
-        raise ValueError(
+        # FSDP2's exception type and words (_fsdp_param.py), then ours.
+        raise NotImplementedError(
+            f"FSDP does not support uneven sharding on dim {dim}: {tuple(shape)} (world size: {info.shard_size}). "
             f"fully_shard({label}): '{name}' has {shape[dim]} entries on dim {dim}{piece}, which do not split evenly "
-            f"over the {info.shard_size} shard ranks. Sharding on a dim > 0 must be even (as in FSDP2): return "
-            "Shard(0) for this parameter, or pad its shape."
+            f"over the {info.shard_size} shard ranks. Sharding on a dim > 0 must be even: return Shard(0) for this "
+            "parameter, or pad its shape."
         )
     return dim
 
@@ -1210,13 +1218,15 @@ def _check_params(params: list[nn.Parameter], refs: dict[int, list[ParamRef]], d
         )
     for param_device, name in devices.items():
         check_param_device(label, name, param_device, device)
-    dtypes = _first_name_per(params, refs, lambda param: param.dtype)
+    # Frozen parameters may differ: see [Note: frozen parameters of another dtype] in param_group.py.
+    dtypes = _first_name_per([p for p in params if p.requires_grad], refs, lambda param: param.dtype)
     if len(dtypes) > 1:
         listed = ", ".join(f"'{name}' is {dtype}" for dtype, name in dtypes.items())
         raise ValueError(
-            f"fully_shard({label}): one group needs one parameter dtype, but {listed}. Convert the module to one "
-            "dtype (module.to(dtype)) and use MixedPrecisionPolicy for low precision, or shard the differently-typed "
-            "submodules with separate fully_shard calls."
+            f"fully_shard({label}): the parameters that require gradients need one dtype in a group (FSDP expects "
+            f"uniform original parameter dtype), but {listed}. Convert the module to one dtype (module.to(dtype)) and "
+            "use MixedPrecisionPolicy for low precision, or shard the differently-typed submodules with separate "
+            "fully_shard calls."
         )
 
 

@@ -408,11 +408,13 @@ class FSDPParam:
             local.fsdp_post_all_gather(tuple(outputs), self._extension_metadata, self.param_dtype, out=self._unsharded_param)
             return
         unsharded, inner = local.fsdp_post_all_gather(tuple(outputs), self._extension_metadata, self.param_dtype)
-        if tuple(unsharded.shape) != tuple(self.orig_size):
-            raise ValueError(
-                f"fsdp_compile: fsdp_post_all_gather of '{self.fqn}' returned shape {tuple(unsharded.shape)}; the "
-                f"parameter's shape is {tuple(self.orig_size)}"
-            )
+        # [Note: the unsharded parameter is read from the start of what fsdp_post_all_gather returned]
+        # FSDP2 takes the parameter's shape with contiguous strides over the storage of the returned
+        # tensor, from its start, whatever that tensor's own size and stride: an extension may return
+        # its data flat, or padded, and still train. We do the same so that an extension written for
+        # FSDP2 builds the same parameter here; the ``out=`` calls of later steps then write into it.
+        contiguous_stride = torch.empty(self.orig_size, device="meta").stride()
+        unsharded = torch.as_strided(unsharded, self.orig_size, contiguous_stride, storage_offset=0)
         self._extension_inner_tensors = list(inner)
         self._set_unsharded_param(unsharded)
 

@@ -141,19 +141,40 @@ class FSDPParamGroup:
     @property
     def reduce_spec(self) -> ReduceSpec:
         """How this group's gradients are reduced now (its settings change it)."""
-        first = self.fsdp_params[0]
+        trained = self._dtype_holder
         return ReduceSpec.for_group(
-            self.mesh_info, first.reduce_dtype, first.orig_dtype, self.gradient_divide_factor, self.comm_policy.reduce_wire_dtype
+            self.mesh_info, trained.reduce_dtype, trained.orig_dtype, self.gradient_divide_factor, self.comm_policy.reduce_wire_dtype
         )
 
     # --- dtypes -----------------------------------------------------------------------------
+    # [Note: frozen parameters of another dtype]
+    # As in FSDP2, a group's parameters that require gradients share one dtype (fully_shard checks),
+    # and frozen ones may have others (a bf16 frozen weight beside fp32 trained ones). The group's
+    # dtypes are those of its trained parameters, which are all its reduce-scatter carries; a group
+    # whose all-gather inputs differ in dtype gathers them as bytes in one buffer, the packed
+    # all-gather of [Note: all-gather extensions] in param.py, as FSDP2 gathers them as uint8.
+    @property
+    def _dtype_holder(self) -> FSDPParam:
+        """The parameter whose dtypes are the group's: the first that requires gradients."""
+        return next((p for p in self.fsdp_params if p.sharded_param.requires_grad), self.fsdp_params[0])
+
     @property
     def param_dtype(self) -> torch.dtype:
-        return self.fsdp_params[0].param_dtype
+        return self._dtype_holder.param_dtype
 
     @property
     def reduce_dtype(self) -> torch.dtype:
-        return self.fsdp_params[0].reduce_dtype
+        return self._dtype_holder.reduce_dtype
+
+    @property
+    def gathers_several_dtypes(self) -> bool:
+        return len({p.param_dtype for p in self.fsdp_params}) > 1
+
+    @property
+    def needs_packed_all_gather(self) -> bool:
+        """Whether the all-gather sends bytes: an all-gather extension, or several dtypes (see
+        [Note: frozen parameters of another dtype])."""
+        return self.gathers_several_dtypes or any(p.uses_all_gather_extension for p in self.fsdp_params)
 
     # --- unshard / reshard ----------------------------------------------------------------------
     @property
@@ -169,7 +190,7 @@ class FSDPParamGroup:
         """Issue the all-gather (no wait); a no-op when unsharded or already in flight."""
         if self.is_unsharded or self._pending_all_gather is not None:
             return
-        if any(p.uses_all_gather_extension for p in self.fsdp_params):
+        if self.needs_packed_all_gather:
             self._unshard_packed(reason)
             return
         policy = self.comm_policy
@@ -214,12 +235,13 @@ class FSDPParamGroup:
         if self.comm_policy.quantizes_all_gather:
             raise NotImplementedError(
                 f"fsdp_compile: group '{self.label}' has a parameter with an all-gather extension (fsdp_pre_all_gather), "
-                "which sends its own representation; CommPolicy.all_gather_dtype cannot quantize it. Leave all_gather_dtype unset."
+                "which sends its own representation, or parameters of several dtypes; CommPolicy.all_gather_dtype cannot "
+                "quantize them. Leave all_gather_dtype unset."
             )
         if self.sharded_state != ShardedState.SHARDED:
             raise NotImplementedError(
-                f"fsdp_compile: group '{self.label}' has a parameter with an all-gather extension, which an int "
-                "reshard_after_forward cannot re-gather from its post-forward shard; use True or False."
+                f"fsdp_compile: group '{self.label}' has a parameter with an all-gather extension or parameters of several "
+                "dtypes, which an int reshard_after_forward cannot re-gather from its post-forward shard; use True or False."
             )
         self._pending_all_gather = collectives.issue_packed_all_gather(
             self._all_gather_inputs(reason, packed=True), self.mesh_info, self.comm, self.label, reason,
@@ -237,7 +259,7 @@ class FSDPParamGroup:
         if (
             self.is_unsharded or self._pending_all_gather is not None or self.sharded_state != ShardedState.SHARDED
             or self.comm_policy.quantizes_all_gather or self.custom_all_gather is not None
-            or any(p.uses_all_gather_extension for p in self.fsdp_params)
+            or self.needs_packed_all_gather
         ):
             return False
         self._pending_all_gather = collectives.PendingAllGather(None, gathered, self.label, None, False)

@@ -282,17 +282,73 @@ class _RootContext:
 
 
 class _PostBackwardTrigger(torch.autograd.Function):
-    """Identity on a module's inputs whose backward runs once gradients reach those inputs."""
+    """Identity on a module's inputs whose backward runs once gradients reach those inputs.
+
+    [Note: the post-backward trigger under torch.func]
+    A module's forward can run inside a functorch transform while its inputs carry reverse-mode
+    history: ``torch.func.jvp`` of a function that reads a tensor requiring grad, or forward-over-
+    reverse (``jvp(grad(f))``). Functorch then applies this Function at the transform's level and
+    accepts only the ``setup_context`` form (forward without ctx), a ``jvp`` rule and a vmap rule.
+    Tangents pass through unchanged, as the values do; the backward is the one of plain autograd.
+    The outputs are views of the inputs, so the tangents are returned as views too: forward-mode AD
+    (``torch.autograd.forward_ad``) requires a view's tangent to be a view.
+    """
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx: Any, state: "FSDPState", *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.state = state
+    def forward(state: "FSDPState", *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(x.view_as(x) for x in inputs)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.state = inputs[0]
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         ctx.state._post_backward()
         return (None, *grads)
+
+    @staticmethod
+    def jvp(ctx: Any, state_tangent: Any, *tangents: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(t.view_as(t) for t in tangents)
+
+
+class _PreBackwardTrigger(torch.autograd.Function):
+    """Identity on one module output whose backward runs the module's pre-backward, for outputs a
+    functorch transform reports as not requiring grad.
+
+    [Note: pre-backward hooks under torch.func]
+    Inside ``torch.func.jvp`` (or ``vmap``) a module's outputs are the transform's wrappers, and
+    they report ``requires_grad=False`` even where their primals, once returned, carry the reverse-
+    mode history of the parameters: a gradient hook registered on them never fires, so a backward
+    through ``jvp``'s outputs would find the parameters resharded (or, kept unsharded, accumulate
+    into them unreduced). Passing such outputs through this Function puts the pre-backward into
+    the graph the primals carry. The tangent goes through it too, so a loss on the tangent unshards
+    the same way. The group's post-backward then runs from the root's end-of-backward callback
+    (``finalize_backward``), since the inputs' trigger is not attached either. FSDP2 does the same.
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(state: "FSDPState", output: torch.Tensor) -> torch.Tensor:
+        return output.view_as(output)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.state = inputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+        # One call per output: the first one of a step does the work.
+        if ctx.state.training_state != TrainingState.PRE_BACKWARD:
+            ctx.state._pre_backward()
+        return None, grad
+
+    @staticmethod
+    def jvp(ctx: Any, state_tangent: Any, tangent: torch.Tensor | None) -> torch.Tensor | None:
+        return None if tangent is None else _PreBackwardTrigger.apply(ctx.state, tangent)
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
@@ -961,7 +1017,7 @@ class FSDPState:
             if not self._modules_to_run_forward:
                 self._finish_group_forward(ctx)
         if torch.is_grad_enabled():
-            self._hook_pre_backward_to_outputs(output)
+            output = self._hook_pre_backward_to_outputs(output)
         output = self._cast_output(output)
         self.training_state = TrainingState.IDLE
         if self.is_root:
@@ -997,10 +1053,16 @@ class FSDPState:
         self._unfired_post_backward_triggers += 1
         return map_tensors(lambda x: hooked.get(id(x), x), (args, kwargs))
 
-    def _hook_pre_backward_to_outputs(self, output: Any) -> None:
+    def _hook_pre_backward_to_outputs(self, output: Any) -> Any:
         tensors = [x for x in tensors_in(output) if x.requires_grad]
         if tensors:
             register_multi_grad_hook(tensors, lambda grads: self._pre_backward(), mode="any")
+        if torch._C._are_functorch_transforms_active():  # see [Note: pre-backward hooks under torch.func]
+            return map_tensors(
+                lambda x: x if x.requires_grad or not (x.is_floating_point() or x.is_complex()) else _PreBackwardTrigger.apply(self, x),
+                output,
+            )
+        return output
 
     def _pre_backward(self) -> None:
         if torch.compiler.is_compiling():

@@ -184,7 +184,7 @@ def test_shard_placement_fn_needs_shard_or_none_and_even_splits_past_dim0():
     try:
         with pytest.raises(ValueError, match="must return Shard"):
             fully_shard(nn.Linear(8, 8), shard_placement_fn=lambda p: Replicate())
-        with pytest.raises(ValueError, match="do not split evenly"):
+        with pytest.raises(NotImplementedError, match="FSDP does not support uneven sharding on dim 1.*do not split evenly"):
             fully_shard(nn.Linear(6, 8), shard_placement_fn=lambda p: Shard(1) if p.dim() == 2 else None)
     finally:
         torch_dist.destroy_process_group()

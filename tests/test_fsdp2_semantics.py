@@ -615,7 +615,7 @@ def _error_before_any_collective(case: str) -> RefusedCall:
         # FSDP2's exception type and its words (torch 2.13's _fsdp_init.py, contract.py, _fully_shard.py), then ours.
         ("module_list", "ValueError", ["fully_shard does not support containers that do not implement forward", "ModuleList", "no forward", "each item"]),
         ("scalar_parameter", "ValueError", ["fully_shard doesn't support scalar parameters", "'scale'", "0-dim", "shape (1,)"]),
-        ("unnamed_2d_mesh", "ValueError", ["2-D mesh", "mesh_dim_names"]),
+        ("unnamed_2d_mesh", "AssertionError", ["Please init the 2D mesh for HSDP with mesh_dim_names specified", "mesh_dim_names=('replicate', 'shard')"]),
         ("twice", "AssertionError", ["Each distinct composable distributed API can only be applied to a module once", "already applied", "once per module"]),
         ("deepcopy", "AssertionError", ["FSDP does not support deepcopy", "state_dict"]),
         ("pytorch_fsdp_inside", "ValueError", ["submodule '0'", "PyTorch's FSDP", "fsdp_compile.fully_shard"]),
@@ -765,3 +765,209 @@ def _compiled_all_gather_extension_is_refused():
 def test_fsdp_inductor_refuses_a_parameter_with_an_all_gather_extension(dist):
     message = dist.run(1, _compiled_all_gather_extension_is_refused)[0]
     assert "'weight' (group 'a')" in message and "all-gather extension" in message and "skip_fsdp_hooks" in message
+
+
+
+# --- 13. what FSDP2 refuses at fully_shard or set_all_reduce_hook, checked against FSDP2 itself --------------
+
+
+def _refused_by(implementation: str, case: str) -> RefusedCall:
+    """What ``case`` raised with FSDP2's fully_shard or ours, and the collectives issued before it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.tensor import Shard
+
+    shard = torch_fully_shard if implementation == "fsdp2" else fully_shard
+    mesh = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("replicate", "shard")) if case == "hsdp_hook_stream" else None
+    module = nn.Linear(3 if case == "uneven_shard_dim1" else 4, 4)  # 3 columns do not split over 2 ranks
+    with count_process_group_calls() as calls:
+        try:
+            if case == "hsdp_hook_stream":
+                shard(module, mesh=mesh)
+                # FSDP2 refuses any stream object here, so a CPU stand-in shows the refusal.
+                module.set_all_reduce_hook(lambda reduced: None, stream=object())
+            elif case == "shard_dim_beyond_param":  # Shard(1) for the 1-D bias too
+                shard(module, shard_placement_fn=lambda param: Shard(1))
+            elif case == "uneven_shard_dim1":  # 3 columns over 2 ranks
+                shard(module, shard_placement_fn=lambda param: Shard(1) if param.dim() == 2 else None)
+            else:
+                raise AssertionError(case)
+        except Exception as error:  # noqa: BLE001 - the test asserts on it
+            return RefusedCall(type(error).__name__, str(error), list(calls))
+    return RefusedCall(None, "", list(calls))
+
+
+def _refused_by_both(case: str) -> dict[str, RefusedCall]:
+    return {implementation: _refused_by(implementation, case) for implementation in ("fsdp2", "ours")}
+
+
+@pytest.mark.parametrize(
+    "case, fsdp2_words",
+    [
+        ("hsdp_hook_stream", "stream cannot be set when using native HSDP"),
+        ("shard_dim_beyond_param", "Shard dim 1 is invalid for 1D tensor"),
+        ("uneven_shard_dim1", "FSDP does not support uneven sharding on dim 1"),
+    ],
+)
+def test_fully_shard_refuses_what_fsdp2_refuses_with_its_exception_and_words(dist, case, fsdp2_words):
+    result = dist.run(2, _refused_by_both, case)[0]
+    theirs, ours = result["fsdp2"], result["ours"]
+    assert theirs.error_type is not None and fsdp2_words in theirs.message, f"FSDP2 changed: {theirs}"
+    assert ours.error_type == theirs.error_type, ours.message
+    assert fsdp2_words in ours.message
+    assert ours.calls == [], f"collectives issued before the error: {ours.calls}"
+
+
+# --- 14. torch.func.jvp, then a backward through its outputs -----------------------------------------------
+
+
+def _jvp_then_backward(reshard_after_forward: bool):
+    """A loss on jvp's primal and tangent outputs, backward: each parameter's gradient as unsharded
+    autograd computes it (every rank runs the same input, so the reduced mean is that gradient)."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    torch.manual_seed(0)
+    reference = _Chain()
+    ours, theirs = copy.deepcopy(reference), copy.deepcopy(reference)
+    for model, shard in ((ours, fully_shard), (theirs, torch_fully_shard)):
+        shard(model.a, reshard_after_forward=reshard_after_forward)
+        shard(model, reshard_after_forward=reshard_after_forward)
+    x, tangent = torch.randn(4, DIM), torch.randn(4, DIM)
+    for model in (ours, theirs, reference):
+        output, output_tangent = torch.func.jvp(model, (x,), (tangent,))
+        (output.pow(2).mean() + output_tangent.pow(2).mean()).backward()
+    grads = [p.grad for p in ours.parameters()]
+    return {
+        "grad_types": sorted({type(g).__name__ for g in grads}),
+        "vs_reference": max_difference(_full_grads(ours), [p.grad for p in reference.parameters()]),
+        "vs_fsdp2": max_difference(_full_grads(ours), _full_grads(theirs)),
+    }
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_backward_through_torch_func_jvp_outputs_reduces_every_gradient(dist, reshard_after_forward):
+    result = dist.run(2, _jvp_then_backward, reshard_after_forward)[0]
+    assert result["grad_types"] == ["DTensor"], "gradients must be reduced into the sharded parameters"
+    assert result["vs_reference"] < 1e-6
+    assert result["vs_fsdp2"] < 1e-6
+
+
+def _jvp_reading_a_tensor_that_requires_grad():
+    """jvp of a function whose module input carries reverse-mode history (it requires grad and is not
+    jvp's primal): the post-backward trigger is applied inside the transform."""
+    torch.manual_seed(0)
+    reference = _Chain()
+    model = copy.deepcopy(reference)
+    fully_shard(model.a, reshard_after_forward=False)
+    fully_shard(model, reshard_after_forward=False)
+    x = torch.randn(4, DIM, requires_grad=True)
+    scale, scale_tangent = torch.tensor(2.0), torch.tensor(1.0)
+    ours = torch.func.jvp(lambda s: model(x) * s, (scale,), (scale_tangent,))
+    expected = torch.func.jvp(lambda s: reference(x) * s, (scale,), (scale_tangent,))
+    return max((a - b).abs().max().item() for a, b in zip(ours, expected))
+
+
+def test_torch_func_jvp_of_a_function_reading_a_tensor_that_requires_grad(dist):
+    assert dist.run(2, _jvp_reading_a_tensor_that_requires_grad)[0] < 1e-6
+
+
+# --- 15. a frozen parameter of another dtype in the group --------------------------------------------------
+
+
+class _FrozenBf16Middle(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(DIM, DIM)
+        self.frozen = nn.Linear(DIM, DIM).to(torch.bfloat16).requires_grad_(False)
+        self.head = nn.Linear(DIM, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.frozen(torch.relu(self.a(x)).bfloat16()).float())
+
+
+def _frozen_parameter_of_another_dtype():
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    torch.manual_seed(0)
+    reference = _FrozenBf16Middle()
+    ours, theirs = copy.deepcopy(reference), copy.deepcopy(reference)
+    torch_fully_shard(theirs)
+    fully_shard(ours)
+    batches = _batches(3)
+    loss_fn = lambda out: out.pow(2).mean()  # noqa: E731
+    initial = [p.detach().clone() for p in reference.parameters()]
+    with fsdp_compile.record_collectives() as log:
+        trained = _sgd_steps(ours, batches, loss_fn, shard=True)
+    expected = _sgd_steps(reference, batches, loss_fn, shard=False)
+    return {
+        "dtypes": [str(p.dtype) for p in ours.parameters()],
+        "vs_reference": max_difference(trained, expected),
+        "vs_fsdp2": max_difference(trained, _sgd_steps(theirs, batches, loss_fn, shard=True)),
+        "moved": max_difference(expected, initial),
+        "all_gather_dtypes": sorted({str(r.dtype) for r in log if r.kind == "all_gather"}),
+    }
+
+
+def test_frozen_parameter_of_another_dtype_shares_a_group_with_trained_ones(dist):
+    result = dist.run(2, _frozen_parameter_of_another_dtype)[0]
+    assert result["dtypes"] == ["torch.float32"] * 2 + ["torch.bfloat16"] * 2 + ["torch.float32"] * 2
+    assert result["vs_reference"] < 1e-6
+    assert result["vs_fsdp2"] < 1e-6
+    assert result["moved"] > 1e-3
+    # Both dtypes in one all-gather, as bytes (FSDP2 gathers them as uint8 too).
+    assert result["all_gather_dtypes"] == ["torch.uint8"]
+
+
+# --- 16. an all-gather extension returning another outer size and stride ---------------------------------
+
+
+def _same_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+    return (self,), None
+
+
+def _flat_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+    """Returns the gathered rows flattened: a 1-D tensor, not the parameter's shape and stride."""
+    (gathered,) = all_gather_outputs
+    if out is not None:
+        with torch.autograd.grad_mode._unsafe_preserve_version_counter(out):
+            out.data.view(-1).copy_(gathered.view(-1))
+        return None
+    flat = gathered.to(param_dtype).view(-1).clone()
+    return flat, (flat,)
+
+
+def _all_gather_extension_returning_flat(implementation: str):
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    shard = torch_fully_shard if implementation == "fsdp2" else fully_shard
+    torch.manual_seed(0)
+    reference = _Chain()
+    model = copy.deepcopy(reference)
+    shard(model.a)
+    shard(model)
+    local = model.a.weight._local_tensor
+    local.fsdp_pre_all_gather = _same_pre_all_gather.__get__(local)
+    local.fsdp_post_all_gather = _flat_post_all_gather.__get__(local)
+    batches = _batches(3)
+    loss_fn = lambda out: out.pow(2).mean()  # noqa: E731
+    with fsdp_compile.record_collectives() as log:
+        trained = _sgd_steps(model, batches, loss_fn, shard=True)
+    initial = [p.detach().clone() for p in reference.parameters()]
+    expected = _sgd_steps(reference, batches, loss_fn, shard=False)
+    return {
+        "vs_reference": max_difference(trained, expected),
+        "moved": max_difference(expected, initial),
+        "packed_groups": sorted({r.group for r in log if r.kind == "all_gather" and r.dtype == torch.uint8}),
+    }
+
+
+def _all_gather_extension_returning_flat_both():
+    return {implementation: _all_gather_extension_returning_flat(implementation) for implementation in ("fsdp2", "ours")}
+
+
+def test_all_gather_extension_may_return_another_outer_size_and_stride_like_fsdp2(dist):
+    result = dist.run(2, _all_gather_extension_returning_flat_both)[0]
+    assert result["fsdp2"]["vs_reference"] < 1e-6, "FSDP2 changed"
+    assert result["ours"]["vs_reference"] < 1e-6
+    assert result["ours"]["moved"] > 1e-3
+    assert result["ours"]["packed_groups"] == ["a"], "the extension must have been used"
