@@ -120,6 +120,12 @@ def _compiled_vs_eager(
     frames["joint_graphs_seen_by_our_passes"] = sum(kind == "joint" for kind, _ in graphs)
     frames["gradient_deliveries"] = sum(_gradient_deliveries(graph) for kind, graph in graphs if kind != "joint")
     frames["compiled_autograd_captures"] = torch._dynamo.utils.counters["compiled_autograd"]["captures"]
+    # The dtypes the compiled forward's matrix products compute in (mixed precision's point).
+    products = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+    frames["forward_matmul_dtypes"] = sorted({
+        str(node.meta["val"].dtype) for kind, graph in graphs if kind == "forward"
+        for node in graph.graph.nodes if node.target in products and isinstance(node.meta.get("val"), torch.Tensor)
+    })
     breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
     param_diff = max((a - b).abs().max().item() for a, b in zip(_full_params(eager), _full_params(compiled)))
     frames["moved"] = max((a - b).abs().max().item() for a, b in zip(_full_params(eager), initial))
@@ -156,6 +162,8 @@ def test_fsdp_inductor_bf16_mixed_precision_matches_eager_within_bf16_rounding(d
     # eager bf16 (Inductor keeps fused intermediates in fp32): the tolerance sits between the two.
     _assert_matches_eager(result, loss_rtol=1e-2, param_atol=2e-3)
     assert result.graph_breaks == 0
+    # Computed in bf16, as the eager runtime does (not fp32 that happens to land within tolerance).
+    assert result.frames["forward_matmul_dtypes"] == ["torch.bfloat16"], result.frames["forward_matmul_dtypes"]
 
 
 def test_compiled_hsdp_2x2_with_a_frozen_parameter_matches_eager(dist):

@@ -271,8 +271,9 @@ _SETTING_CASES: dict[str, dict] = {
     "set_requires_all_reduce": dict(world=4, build=lambda: _shard_net(_hsdp_mesh()), each_step=lambda model, step: model.set_requires_all_reduce(step == 1)),
     "set_reshard_after_forward": dict(configure=lambda model: model.set_reshard_after_forward(False)),
     "set_reshard_after_backward": dict(configure=lambda model: model.set_reshard_after_backward(False), verdict="refused", named="set_reshard_after_backward"),
-    "set_gradient_divide_factor": dict(configure=lambda model: model.set_gradient_divide_factor(3.0)),
-    "set_reduce_scatter_divide_factor": dict(configure=lambda model: model.set_reduce_scatter_divide_factor(3.0)),
+    # changes: the steps also run without the setting, and its parameters must differ (not ignored by both).
+    "set_gradient_divide_factor": dict(configure=lambda model: model.set_gradient_divide_factor(3.0), changes=True),
+    "set_reduce_scatter_divide_factor": dict(configure=lambda model: model.set_reduce_scatter_divide_factor(3.0), changes=True),
     "set_unshard_in_backward": dict(build=lambda: _shard_net_with_embed_group(), configure=lambda model: model.embed.set_unshard_in_backward(False)),
     "set_force_sum_reduction_for_comms": dict(configure=_each_block("set_force_sum_reduction_for_comms", True)),
     "set_symm_mem_for_comm": dict(configure=lambda model: model.set_symm_mem_for_comm(), verdict="refused everywhere", named="set_symm_mem_for_comm"),
@@ -342,7 +343,8 @@ def _setting_steps(name: str, mode: str) -> dict:
     model = case.get("build", _shard_net)()
     result: dict = {"collectives": [], "losses": []}
     try:
-        case.get("configure", lambda model: None)(model)
+        if mode != "without":
+            case.get("configure", lambda model: None)(model)
         method = case.get("method", "forward")
         runner = model
         if mode == "per_block" or (mode == "compiled" and case.get("per_block")):
@@ -381,7 +383,8 @@ def _setting_case(name: str) -> dict:
     # A setting fsdp_inductor refuses names per-block compile as the way out: that runs too.
     case = _SETTING_CASES[name]
     way_out = ("per_block",) if case.get("verdict") == "refused" and case.get("way_out", True) else ()
-    return {mode: _setting_steps(name, mode) for mode in ("eager", "compiled", *way_out)}
+    without = ("without",) if case.get("changes") else ()
+    return {mode: _setting_steps(name, mode) for mode in ("eager", "compiled", *way_out, *without)}
 
 
 def _settings_table_cells() -> dict[str, str]:
@@ -426,6 +429,9 @@ def test_each_setting_changes_compiled_collectives_as_eager_or_is_refused(dist, 
         assert abs(a - b) <= tolerance * max(1.0, abs(a)), result
     for a, b in zip(eager["params"], compiled["params"]):
         assert max(abs(x - y) for x, y in zip(a, b)) <= tolerance * max(1.0, *map(abs, a)), name
+    if "without" in result:  # the setting did something, eagerly and so compiled
+        moved = max(max(abs(x - y) for x, y in zip(a, b)) for a, b in zip(eager["params"], result["without"]["params"]))
+        assert moved > 100 * tolerance, (name, moved)
 
 
 # --- torch.compile's own mode= and options= ----------------------------------------------------------
