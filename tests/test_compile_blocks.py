@@ -186,12 +186,13 @@ def steady_state_schedule(model: nn.Module, runner: nn.Module) -> list[int]:
     return graphs
 
 
-def test_steady_state_training_eval_switch_and_new_shapes_recompile_at_most_once_per_shape_class(dist):
+def test_steady_state_training_eval_switch_and_new_shapes_recompile_exactly_once_per_shape_class(dist):
     graphs = dist.run(2, _steady_state)[0]
     assert graphs[0] == graphs[2], "steps after the first must not recompile"
     assert graphs[3] == graphs[5], "train -> eval -> train recompiles nothing once seen"
-    assert graphs[6] - graphs[5] <= 1 and graphs[7] == graphs[6], "one recompile for a new batch size, then dynamic"
-    assert graphs[8] - graphs[7] <= 1 and graphs[9] == graphs[8], "one recompile for a new sequence length, then dynamic"
+    assert graphs[0] == 1 and graphs[3] == 2, graphs  # exact: one graph, and its no-grad variant for eval
+    assert graphs[6] - graphs[5] == 1 and graphs[7] == graphs[6], "one recompile for a new batch size, then dynamic"
+    assert graphs[8] - graphs[7] == 1 and graphs[9] == graphs[8], "one recompile for a new sequence length, then dynamic"
 
 
 # --- whole model: a nested compile region per block ----------------------------------
@@ -522,12 +523,23 @@ def _whole_model_with_eager_frames(case: str):
             raise torch._subclasses.fake_tensor.DataDependentOutputException(torch.ops.aten._local_scalar_dense.default)
 
         aot_autograd.aot_module_simplified = failing
+    from fsdp_compile.state import FSDPState
+
+    pre_forward = FSDPState._pre_forward
+    eager_hooks_ran: set[str] = set()
+
+    def recording_pre_forward(state, *args, **kwargs):
+        eager_hooks_ran.add(state.label)
+        return pre_forward(state, *args, **kwargs)
+
+    FSDPState._pre_forward = recording_pre_forward
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             compiled_losses = _train(runner, len(seqs), seqs=seqs)
             compiled_collectives = _collectives_of_a_step(runner, seqs[-1])
     finally:
+        FSDPState._pre_forward = pre_forward
         torch._dynamo.config.recompile_limit = previous_limit
         aot_autograd.aot_module_simplified = aot_module_simplified
     eager_losses = _train(eager, len(seqs), seqs=seqs)
@@ -537,6 +549,7 @@ def _whole_model_with_eager_frames(case: str):
         "compiled_collectives": compiled_collectives,
         "eager_collectives": _collectives_of_a_step(eager, seqs[-1]),
         "param_gap": _param_gap(eager, compiled),
+        "eager_hooks_ran": sorted(eager_hooks_ran),
         "warnings": sorted({str(w.message)[:60] for w in caught if "ran eagerly inside a compiled model" in str(w.message)}),
         "backend_warnings": sorted({str(w.message)[:90] for w in caught if "could not compile graph" in str(w.message)}),
         "told_of_the_recompile_limit": sorted(
@@ -567,6 +580,8 @@ def test_whole_model_frames_run_eagerly_get_the_eager_hooks_and_train_like_eager
         # (Dynamo may run the rest of the loop over blocks eagerly too; each such block is named.)
         assert "fsdp_compile: the forward of 'layers.1' ran eagerly inside a" in result["warnings"], result
         assert "fsdp_compile: the forward of 'layers.0' ran eagerly inside a" not in result["warnings"], result
+        # Its eager pre-forward hook ran (the eager hooks gathered and resharded it), not layers.0's.
+        assert "layers.1" in result["eager_hooks_ran"] and "layers.0" not in result["eager_hooks_ran"], result
     elif case == "recompile_limit_1":
         # Blocks as frames: the blocks' shared frame, and the root's, meet the limit at a new sequence
         # length and run each block (and the root) eagerly, with its eager hooks, each named once.
@@ -574,6 +589,7 @@ def test_whole_model_frames_run_eagerly_get_the_eager_hooks_and_train_like_eager
         assert result["warnings"] == [f"fsdp_compile: the forward of '{label}' ran eagerly inside a"[:60] for label in named], result
         # Each warning names the limit and the way out ([Note: a recompile limit per block structure] in backend.py).
         assert result["told_of_the_recompile_limit"] == named, result
+        assert set(named) <= set(result["eager_hooks_ran"]), result
     else:  # said by the backend, with the error, not only by the modules that then ran eagerly
         assert result["backend_warnings"] and all(
             "fsdp_aot_eager could not compile graph" in w and "DataDependentOutputException" in w for w in result["backend_warnings"]
