@@ -33,14 +33,19 @@ class _Switch:
 def _compiling_root(fully_shard: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fully_shard)
     def shard(module: Any, *args: Any, **kwargs: Any) -> Any:
-        result = fully_shard(module, *args, **kwargs)
-        if _Switch.backend is None or isinstance(module, (list, tuple)):
-            return result
+        if _Switch.backend is None:
+            return fully_shard(module, *args, **kwargs)
         from fsdp_compile import FSDPModule
 
-        for inner in module.modules():
-            if inner is not module and isinstance(inner, FSDPModule):
-                inner._compiled_call_impl = None
+        # Before fully_shard sees them: it takes a block compiled in place for one compiled per
+        # block ([Note: every way of compiling a block, one form] in module.py).
+        for outer in module if isinstance(module, (list, tuple)) else [module]:
+            for inner in outer.modules():
+                if inner is not outer and isinstance(inner, FSDPModule):
+                    inner._compiled_call_impl = None
+        result = fully_shard(module, *args, **kwargs)
+        if isinstance(module, (list, tuple)):
+            return result
         module._compiled_call_impl = None
         module.compile(backend=_Switch.backend)
         return result
