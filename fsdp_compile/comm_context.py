@@ -27,17 +27,27 @@ the same, which is what the tests check with a recording handle.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from fsdp_compile.device import DeviceHandle, make_device_handle
 
-if TYPE_CHECKING:
-    from fsdp_compile.collectives import PendingAllGather
-    from fsdp_compile.param_group import FSDPParamGroup
+__all__ = ["CommContext", "ReducingGroup", "InFlightAllGather"]
 
-__all__ = ["CommContext"]
+
+class ReducingGroup(Protocol):
+    """What the context asks of a group with a reduce-scatter in flight (an ``FSDPParamGroup``).
+    A protocol, not the class: the context sits below the groups and imports none of their layer."""
+
+    def finish_reduction(self) -> None: ...
+
+
+class InFlightAllGather(Protocol):
+    """An all-gather in flight (``collectives.PendingAllGather``), as the context keeps it."""
+
+    overlapped: bool
+
 
 # Why an all-gather was issued -> whether it runs on the side streams (implicit, overlapped).
 _OVERLAPPED_REASONS = ("forward", "forward-prefetch", "backward", "backward-prefetch")
@@ -51,9 +61,9 @@ class CommContext:
         self.handle = handle if handle is not None else make_device_handle(device)
         self._streams: dict[str, Any] = {}
         # Forward's last all-gather: released after the next copy-out (see the note).
-        self._previous_all_gather: tuple["PendingAllGather", Any] | None = None
+        self._previous_all_gather: tuple[InFlightAllGather, Any] | None = None
         # Groups with a reduce-scatter in flight, oldest first.
-        self.reducing_groups: list["FSDPParamGroup"] = []
+        self.reducing_groups: list[ReducingGroup] = []
         self.post_optim_event: Any = None
 
     def _stream(self, name: str) -> Any:
@@ -104,7 +114,7 @@ class CommContext:
             self.all_gather_streams_wait(copy_out_event)
             self._previous_all_gather = None
 
-    def after_copy_out(self, pending: "PendingAllGather", in_forward: bool) -> None:
+    def after_copy_out(self, pending: InFlightAllGather, in_forward: bool) -> None:
         event = self.handle.record_event(self.handle.current_stream(), "all_gather_copy_out")
         if in_forward and pending.overlapped:
             self._previous_all_gather = (pending, event)

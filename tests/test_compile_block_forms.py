@@ -170,8 +170,6 @@ def _check(run: FormRun, bitwise: bool) -> None:
         ("in_place_before", True, "selective", "bfloat16"),
         ("in_place_between", True, "body", "float32"),
         ("in_place_after", False, "calls", "float32"),
-        ("in_place_before", False, "calls", "float32"),
-        ("in_place_before", True, "body", "bfloat16"),
     ],
 )
 def test_block_compiled_any_way_under_aot_eager_trains_bitwise_like_eager(dist, form, fullgraph, checkpointing, dtype):
@@ -180,15 +178,13 @@ def test_block_compiled_any_way_under_aot_eager_trains_bitwise_like_eager(dist, 
 
 
 # Inductor's and fsdp_inductor's code: torchtitan's recipe (in place, before fully_shard, fullgraph,
-# selective checkpointing, bf16), and the other forms once each.
+# selective checkpointing, bf16), and fsdp_inductor once (the other forms are aot_eager's above: the
+# form decides what is compiled, not the backend; each Inductor case costs the suite seconds).
 @pytest.mark.parametrize(
     "form, backend, fullgraph, checkpointing, dtype",
     [
         ("in_place_before", "inductor", True, "selective", "bfloat16"),
-        ("wrapper_after", "inductor", False, "calls", "float32"),
         ("in_place_between", "fsdp_inductor", True, "wrapper", "float32"),
-        ("wrapper_before", "fsdp_inductor", True, "selective", "bfloat16"),
-        ("in_place_after", "inductor", True, "body", "bfloat16"),
     ],
 )
 def test_block_compiled_any_way_under_inductor_trains_like_eager(dist, form, backend, fullgraph, checkpointing, dtype):
