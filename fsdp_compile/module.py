@@ -6,7 +6,6 @@ import functools
 import inspect
 import sys
 import warnings
-import weakref
 from typing import Any, Callable, overload
 
 import torch
@@ -36,8 +35,6 @@ __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_
 # weak mapping: tensors compare elementwise, and weak references block torch.utils.swap_tensors.
 _OWNER_ATTR = "_fsdp_compile_owner"
 _fsdp_classes: dict[type, type] = {}
-# Blocks already named in the warning that their forward ran eagerly inside a compiled model.
-_warned_eager_frames: "weakref.WeakSet[FSDPState]" = weakref.WeakSet()
 
 
 class UnshardHandle:
@@ -126,8 +123,8 @@ class FSDPModule:
         # A module called on its own, outside the compiled model's call (FSDP2's non-root forward
         # and backward after the root's), runs its eager hooks as in eager training: nothing to warn of.
         inside_the_compiled_model = inside_a_compiled_call() or root.frames_forward_running
-        if inside_the_compiled_model and state not in _warned_eager_frames:
-            _warned_eager_frames.add(state)
+        if inside_the_compiled_model and not state.told_it_ran_eagerly:
+            state.told_it_ran_eagerly = True
             why = fsdp_frames_recompile_limit_reached() or (
                 "torch.compiler.disable, a recompile limit, a skipped frame, or a backend that failed on the graph, "
                 "which the backend's warning names"

@@ -14,7 +14,6 @@ and parameter count, so a step costs one weak-dictionary lookup.
 from __future__ import annotations
 
 import functools
-import weakref
 from typing import Any
 
 import torch
@@ -22,8 +21,8 @@ import torch
 __all__ = ["mark_replaced", "mark_unsharded", "install_optimizer_check"]
 
 _REPLACED_ATTR = "_fsdp_compile_replaced_by"
-# optimizer -> how many parameters it held when last checked
-_checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
+# Set on an optimizer: how many parameters it held when last checked (checked again when that changes).
+_CHECKED_COUNT_ATTR = "_fsdp_compile_checked_params"
 
 
 def mark_replaced(param: torch.Tensor, where: str) -> None:
@@ -44,7 +43,7 @@ def _refuse_replaced_parameters(optimizer: torch.optim.Optimizer, args: Any, kwa
     if torch.compiler.is_compiling():
         return
     count = sum(len(group["params"]) for group in optimizer.param_groups)
-    if _checked.get(optimizer) == count:
+    if getattr(optimizer, _CHECKED_COUNT_ATTR, None) == count:
         return
     for group in optimizer.param_groups:
         for param in group["params"]:
@@ -56,7 +55,7 @@ def _refuse_replaced_parameters(optimizer: torch.optim.Optimizer, args: Any, kwa
                     "while the model is sharded (before its first forward, after a backward, or after model.reshard()), "
                     "so it holds the sharded parameters."
                 )
-    _checked[optimizer] = count
+    setattr(optimizer, _CHECKED_COUNT_ATTR, count)
 
 
 @functools.cache

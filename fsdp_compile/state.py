@@ -47,8 +47,6 @@ _states_generation = 0
 # Which block's frame Dynamo traces now is ``block_frame_in_trace()`` (set eagerly by
 # FSDPState.enter_block_frame); every such frame's trace token is BLOCK_FRAME_TOKEN.
 _block_frame_in_trace: "weakref.ref[FSDPState] | None" = None
-# Roots whose explicit prefetch lists were checked at their first block frame (told once).
-_roots_told_of_frames_prefetch: "weakref.WeakSet[FSDPState]" = weakref.WeakSet()
 
 
 def _blocks_as_frames_in_this_trace() -> bool:
@@ -380,6 +378,11 @@ class FSDPState:
         self.outer: FSDPState | None = None
         # Set by fsdp_inductor on the root when a graph reading the model's parameters compiles.
         self.runs_compiled = False
+        # Said once per module: its forward ran eagerly inside the compiled model ([Note: frames
+        # Dynamo runs eagerly] in module.py); on a root, that its explicit prefetch lists do not
+        # place a block frame's all-gathers.
+        self.told_it_ran_eagerly = False
+        self.told_of_frames_prefetch = False
         # Structure flags the compiled path reads (see compiles_as_region), set by fully_shard.
         self.has_outer = False
         self.is_leaf = True  # no fully_shard module inside
@@ -654,8 +657,8 @@ class FSDPState:
         self._learn_frame_order()
         if self.takes_prefetched_frame_gathers():
             self._register_for_frame_gathers()
-        if root not in _roots_told_of_frames_prefetch:
-            _roots_told_of_frames_prefetch.add(root)
+        if not root.told_of_frames_prefetch:
+            root.told_of_frames_prefetch = True
             explicit = [s.label for s in root.states_in_tree() if s.forward_prefetch or s.backward_prefetch]
             if explicit:
                 warnings.warn(
