@@ -186,6 +186,7 @@ def _meta(cfg: BenchConfig, results: dict, world: int, device: torch.device) -> 
         "parameters": parameters,
         "tokens_per_step": cfg.batch * cfg.seq * (world // cfg.tp),  # tp ranks share their dp rank's batch
         "inductor_startup_s": results["inductor_startup_s"],
+        "load_average": results.get("load_average"),
         "config": {k: v for k, v in cfg.__dict__.items() if k != "command"},
         "section_key": f"{device.type}-{'nccl' if device.type == 'cuda' else 'gloo'}-world{world}"
         + (f"-tp{cfg.tp}" if cfg.tp > 1 else "")
@@ -224,13 +225,20 @@ def _section(meta: dict, table: str, summary: dict, extra: str = "") -> str:
         f"<!-- benchmark section: {key} -->\n"
         f"## {meta['machine']}, world size {meta['world_size']}{_section_topic(key)}\n\n"
         f"Command: `{meta['command']}`  \n"
-        f"torch {meta['torch']}, Python {meta['python']}, {meta['date'][:10]}, commit {meta['commit']}.  \n"
+        f"torch {meta['torch']}, Python {meta['python']}, {meta['date'][:10]}, commit {meta['commit']}"
+        f"{_load_text(meta.get('load_average'))}.  \n"
         f"Model: {meta['parameters'] / 1e6:.2f}M parameters ({_model_text(meta['config'])}), "
         f"{meta['tokens_per_step']} tokens per step over all ranks.\n\n"
         f"{table}\n\n{slowest + chr(10) + chr(10) if slowest else ''}{_method(meta)}\n"
         f"{extra}"
         f"<!-- end benchmark section: {key} -->\n"
     )
+
+
+def _load_text(load: list | tuple | None) -> str:
+    if not load or None in load:
+        return ""
+    return f"; machine load average (1 min) {load[0]:.1f} at the start, {load[1]:.1f} at the end, on {os.cpu_count()} cores"
 
 
 def _section_topic(key: str) -> str:

@@ -142,6 +142,7 @@ def worker(cfg: BenchConfig) -> None:
 
 def _run(cfg: BenchConfig, rank: int, world: int, device: torch.device, cache: str | None = None) -> dict:
     agree = _Agreement(device)
+    load_at_start = _load_average()
     # [Note: a cold compile per mode]
     # With a fresh cache (``cache``, this rank's), each mode compiles with one of its own, and with
     # Inductor's in-memory caches emptied before each of its warm-up steps. One cache for every mode
@@ -209,8 +210,16 @@ def _run(cfg: BenchConfig, rank: int, world: int, device: torch.device, cache: s
         "inductor_startup_s": startup, "status": {name: status[name] for name in cfg.modes}, "times": times,
         "losses": losses, "probes": probes, "warm": warm, "errors": errors if rank == 0 else {},
         "shallow": {name: {"status": status[key], "times": times[key]} for key, name in twins.items()},
-        "profiles": profiles,
+        "profiles": profiles, "load_average": (load_at_start, _load_average()),
     }
+
+
+def _load_average() -> float | None:
+    """The machine's 1-minute load average: other work on a shared machine shows in every step time."""
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None
 
 
 def _profile(mode: Mode, tokens: torch.Tensor, errors: dict) -> dict:
