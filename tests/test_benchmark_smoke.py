@@ -163,14 +163,15 @@ def test_each_mode_compiles_cold_in_a_cache_of_its_own(tmp_path, monkeypatch):
 
 # ---- --overhead: host time per block and the profile of a step (benchmarks/overhead.py) -----------
 
-OVERHEAD_TINY = ["--overhead", "--layers", "2", "--shallow-layers", "1", "--steps", "3", "--warmup", "1",
-                 "--modes", "ours-eager,torch-eager", "--profile-step", "--device", "cpu"]
+OVERHEAD_TINY = ["--overhead", "--layers", "2", "--shallow-layers", "1", "--steps", "2", "--warmup", "1",
+                 "--modes", "ours-eager", "--profile-step", "--device", "cpu"]
 
 
 @pytest.fixture(scope="module")
 def overhead_run(tmp_path_factory):
-    """``python -m benchmarks --overhead --profile-step`` on 2 tiny layers (against 1), eager modes only
-    (about 15 s of CPU time; 20 s on 2 idle cores): (stdout, results.json, the RESULTS.md it wrote)."""
+    """``python -m benchmarks --overhead --profile-step`` on 2 tiny layers (against 1), ours-eager only
+    (about 14 s on 2 idle cores, nearly all of it two processes importing torch): (stdout, results.json,
+    the RESULTS.md it wrote)."""
     scratch = tmp_path_factory.mktemp("overhead")
     results_md = scratch / "RESULTS.md"
     command = [sys.executable, "-m", "benchmarks", *OVERHEAD_TINY, "--out-dir", str(scratch), "--results-md", str(results_md)]
@@ -179,18 +180,17 @@ def overhead_run(tmp_path_factory):
     return done.stdout, json.loads((scratch / "results.json").read_text()), results_md.read_text()
 
 
-def test_overhead_reports_host_ms_per_block_for_each_mode_from_two_depths(overhead_run):
+def test_overhead_reports_host_ms_per_block_from_two_depths(overhead_run):
     stdout, data, _ = overhead_run
-    for name in ("ours-eager", "torch-eager"):
-        per_block = data["modes"][name]["per_block"]
-        assert (per_block["deep_layers"], per_block["shallow_layers"]) == (2, 1)
-        assert math.isfinite(per_block["block_ms"]) and per_block["shallow_step_ms"] > 0
-    assert "host ms per block (p10–p90)" in stdout
+    per_block = data["modes"]["ours-eager"]["per_block"]
+    assert (per_block["deep_layers"], per_block["shallow_layers"]) == (2, 1)
+    assert math.isfinite(per_block["block_ms"]) and per_block["shallow_step_ms"] > 0
+    assert "| ours-eager |" in stdout.split("host ms per block (p10–p90)")[1]
 
 
 def test_overhead_profile_of_ours_counts_dispatches_and_names_python_functions(overhead_run):
     _, data, results_md = overhead_run
-    assert list(data["profiles"]) == ["ours-eager"]  # ours only: FSDP2's code is not ours to tune
+    assert list(data["profiles"]) == ["ours-eager"]
     profile = data["profiles"]["ours-eager"]
     assert profile["aten_ops"] >= profile["aten_top_level"] > 0
     assert profile["compiled_regions"] == 0 and len(profile["top"]) == 15
