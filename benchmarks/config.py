@@ -53,13 +53,18 @@ class BenchConfig:
     fresh_inductor_cache: bool = True
     inductor_cache_dir: str | None = None  # kept per rank under this folder (--compile-scaling's warm runs)
     compile_scaling: tuple[int, ...] | None = None  # layer counts of --compile-scaling
+    overhead: bool = False  # --overhead: the section is the host-overhead one
+    shallow_layers: int | None = None  # a second depth per mode, for host time per block (benchmarks/overhead.py)
+    profile_step: bool = False  # one cProfile'd and one torch.profiler'd step of each of ours
+    threads: int | None = None  # intra-op threads per rank on CPU; None: the cores / ranks
     out_dir: str = "bench_out"
     results_md: str | None = None
     command: str = ""
 
-    def model_config(self) -> TransformerConfig:
+    def model_config(self, layers: int | None = None) -> TransformerConfig:
+        """The model; ``layers`` overrides --layers (the shallow twins of --shallow-layers)."""
         return TransformerConfig(
-            vocab_size=self.vocab, dim=self.dim, n_layers=self.layers, n_heads=self.heads,
+            vocab_size=self.vocab, dim=self.dim, n_layers=self.layers if layers is None else layers, n_heads=self.heads,
             max_seq_len=self.seq, tie_embeddings=not self.untied,
         )
 
@@ -115,11 +120,20 @@ columns:
   compile warm s      the same for a second model after torch._dynamo.reset() (its cache warm)
   loss rel diff       max over all steps of |loss - loss(ours-eager)| / |loss(ours-eager)|
 
+with --shallow-layers N (in --overhead), a second table per mode (benchmarks/overhead.py):
+  host ms per block   (median step at --layers - median step at N layers) / (--layers - N), both depths
+                      run interleaved in one process; (p10-p90) of a bootstrap over the steps
+  fixed ms per step   the median step at N layers minus N blocks' worth: embedding, loss, root, optimizer
+with --profile-step, per mode of ours: cProfile's top functions by own time in one untimed step, and
+  from one more step under torch.profiler the aten:: ops dispatched, Dynamo cache lookups, compiled
+  regions entered and the leaf guards of the entries that ran
+
 examples:
   python -m benchmarks                                   # defaults, 2 gloo ranks on CPU
   python -m benchmarks --modes ours-eager,torch-eager --steps 30
   python -m benchmarks --pass-ablation                   # + ours-compiled with passes off
   python -m benchmarks --comm-policy                     # + ours with int8 all-gathers / a bf16 gradient wire
+  python -m benchmarks --overhead --profile-step --results-md benchmarks/RESULTS.md   # host ms per step and block
   python -m benchmarks --compile-scaling --results-md benchmarks/RESULTS.md   # compile s at 2-32 layers
   torchrun --nproc-per-node 8 -m benchmarks --dim 2048 --layers 16 --bf16
 """
@@ -149,7 +163,7 @@ def _layer_counts(text: str) -> tuple[int, ...]:
 # which on a GPU decides a step at small per-GPU work. Flags given after it override it.
 OVERHEAD_PRESET = (
     "--world-size", "1", "--dim", "32", "--heads", "2", "--vocab", "64", "--seq", "8", "--batch", "1",
-    "--layers", "16", "--steps", "40", "--no-warm-compile",
+    "--layers", "16", "--shallow-layers", "4", "--threads", "1", "--steps", "40", "--no-warm-compile",
     "--modes", "ours-eager,torch-eager,ours-compiled,ours-compiled-regions,ours-blockcompile,torch-blockcompile",
 )
 
@@ -160,7 +174,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     given = sys.argv[1:] if argv is None else list(argv)
     if "--overhead" in given:
         index = given.index("--overhead")
-        argv = [*given[:index], *OVERHEAD_PRESET, *given[index + 1:]]
+        argv = [*given[:index + 1], *OVERHEAD_PRESET, *given[index + 1:]]  # --overhead kept: it names the section
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks",
         description="Train a Llama-style decoder with every FSDP mode in one run and compare step time,\n"
@@ -195,7 +209,16 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         "gradient wire with float32 sums (fsdp_compile.CommPolicy)")
     add("--overhead", action="store_true",
         help="the host-overhead preset (world size 1, a 16-layer model of width 32, 40 steps, the modes each of "
-        "ours has an FSDP2 counterpart for): " + " ".join(OVERHEAD_PRESET))
+        "ours has an FSDP2 counterpart for, each also at 4 layers for the host time per block): " + " ".join(OVERHEAD_PRESET))
+    add("--shallow-layers", type=int, default=None, metavar="N",
+        help="also run every mode at N layers, interleaved, and report host ms per block: the step-time slope "
+        "between N and --layers (in --overhead: 4)")
+    add("--threads", type=int, default=None, metavar="N",
+        help="CPU: intra-op threads per rank (default: the cores / ranks; in --overhead 1, as the compute is ~0 "
+        "and a second thread only spins against the host work)")
+    add("--profile-step", action="store_true",
+        help="after the timed steps, profile one step of each of ours: cProfile's top functions, ATen ops "
+        "dispatched, Dynamo cache lookups, compiled regions and guards (a sub-section of the results)")
     add("--compile-scaling", nargs="?", const=SCALING_LAYERS, type=_layer_counts, default=None, metavar="LAYERS",
         help=f"instead of one run: {', '.join(SCALING_MODES)} (or --modes) at {','.join(map(str, SCALING_LAYERS))} layers "
         "(or the comma-separated LAYERS), "
@@ -210,6 +233,10 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         help="also write this run's section (command, versions, date, table) into PATH, e.g. benchmarks/RESULTS.md; "
         "a section of the same machine kind is replaced, others are kept")
     args = parser.parse_args(argv)
+    if args.shallow_layers is not None and not 1 <= args.shallow_layers < args.layers:
+        parser.error(f"--shallow-layers {args.shallow_layers} must be at least 1 and below --layers {args.layers}")
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads {args.threads} must be at least 1")
     if args.steps < 1 or args.warmup < 1:
         parser.error("--steps and --warmup must be at least 1 (warm-up holds compilation and lazy init)")
     if args.tp < 1 or args.world_size % args.tp or args.heads % args.tp:
@@ -228,5 +255,5 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
             args.modes = SCALING_MODES
         if args.steps == d.steps:
             args.steps = 3
-    del args.pass_ablation, args.comm_policy, args.overhead
+    del args.pass_ablation, args.comm_policy
     return BenchConfig(command=command, **{k: v for k, v in vars(args).items()})

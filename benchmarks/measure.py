@@ -20,7 +20,7 @@ import torch
 from benchmarks.modes import Mode
 from fsdp_compile.models import next_token_loss
 
-__all__ = ["train_step", "timed_step", "probe_step", "Probe", "count_collectives", "CollectiveCounts"]
+__all__ = ["train_step", "timed_step", "probe_step", "Probe", "count_collectives", "CollectiveCounts", "quiet_profiler"]
 
 
 def _synchronize(device: torch.device) -> None:
@@ -150,6 +150,19 @@ def _quiet_stderr_fd() -> Iterator[None]:
         os.close(saved)
 
 
+@contextlib.contextmanager
+def quiet_profiler(record_shapes: bool = False) -> Iterator[torch.profiler.profile]:
+    """torch.profiler over the CPU ops run while open, without Kineto's start and stop lines on stderr."""
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=record_shapes)
+    with _quiet_stderr_fd():
+        profiler.__enter__()
+    try:
+        yield profiler
+    finally:
+        with _quiet_stderr_fd():
+            profiler.__exit__(None, None, None)
+
+
 def _collective_kind(op_name: str) -> str:
     name = op_name.removeprefix("c10d::")
     if "allgather" in name or "all_gather" in name:
@@ -200,14 +213,8 @@ def count_collectives() -> Iterator[CollectiveCounts]:
     The profiler sees them all, so the count is the same kind of fact in every mode.
     """
     counts = CollectiveCounts()
-    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True)
-    with _quiet_stderr_fd():
-        profiler.__enter__()
-    try:
+    with quiet_profiler(record_shapes=True) as profiler:
         yield counts
-    finally:
-        with _quiet_stderr_fd():
-            profiler.__exit__(None, None, None)
     # The raw events, not profiler.events(): that builds the Python event tree of every op recorded,
     # seconds when a first compile (thousands of fake-tensor ops) ran inside the window.
     for event in profiler.profiler.kineto_results.events():

@@ -15,10 +15,9 @@ import sys
 
 import torch
 
-from benchmarks.modes import COMM_POLICY_MODES
-
 from benchmarks.config import BASELINE_LOSS, BASELINE_SPEED, BenchConfig
-from benchmarks.modes import COMPILED
+from benchmarks.modes import COMM_POLICY_MODES, COMPILED
+from benchmarks.overhead import per_block_figures, per_block_table, profile_markdown
 
 __all__ = ["summarize", "markdown_table", "publish", "git_commit", "write_results_md"]
 
@@ -61,6 +60,12 @@ def summarize(cfg: BenchConfig, results: dict, world: int) -> dict[str, dict]:
             step_ms_p90=_percentile(measured, 0.9) * 1e3, step_ms_min=min(measured) * 1e3,
             step_ms_max=max(measured) * 1e3, tokens_per_s=tokens_per_step / median,
         )
+        shallow = results.get("shallow", {}).get(name)
+        if shallow and shallow["status"] is None:
+            shallow_steps = [max(ranks) for ranks in shallow["times"][cfg.warmup:]]
+            figures["per_block"] = per_block_figures(measured, shallow_steps, cfg.layers, cfg.shallow_layers, cfg.seed)
+        elif shallow:
+            figures["per_block_status"] = f"unavailable at {cfg.shallow_layers} layers: {shallow['status']}"
         if name in COMPILED:
             figures["compile_cold_s"] = sum(figures["warmup_times_s"]) - cfg.warmup * median
             figures["compile_warm_s"] = results["warm"].get(name)
@@ -181,10 +186,12 @@ def _meta(cfg: BenchConfig, results: dict, world: int, device: torch.device) -> 
         "parameters": parameters,
         "tokens_per_step": cfg.batch * cfg.seq * (world // cfg.tp),  # tp ranks share their dp rank's batch
         "inductor_startup_s": results["inductor_startup_s"],
+        "load_average": results.get("load_average"),
         "config": {k: v for k, v in cfg.__dict__.items() if k != "command"},
         "section_key": f"{device.type}-{'nccl' if device.type == 'cuda' else 'gloo'}-world{world}"
         + (f"-tp{cfg.tp}" if cfg.tp > 1 else "")
-        + ("-comm-policy" if set(cfg.modes) & set(COMM_POLICY_MODES) else ""),
+        + ("-comm-policy" if set(cfg.modes) & set(COMM_POLICY_MODES) else "")
+        + ("-overhead" if cfg.overhead else ""),
     }
 
 
@@ -210,19 +217,28 @@ def _method(meta: dict) -> str:
     return _METHOD.replace(" (STARTUP)", "" if startup is None else f" ({startup:.1f} s in this run)")
 
 
-def _section(meta: dict, table: str, summary: dict) -> str:
+def _section(meta: dict, table: str, summary: dict, extra: str = "") -> str:
+    """``extra``: the host-overhead tables (per block, profiles) after the method paragraph."""
     key = meta["section_key"]
     slowest = _slowest_line(summary)
     return (
         f"<!-- benchmark section: {key} -->\n"
         f"## {meta['machine']}, world size {meta['world_size']}{_section_topic(key)}\n\n"
         f"Command: `{meta['command']}`  \n"
-        f"torch {meta['torch']}, Python {meta['python']}, {meta['date'][:10]}, commit {meta['commit']}.  \n"
+        f"torch {meta['torch']}, Python {meta['python']}, {meta['date'][:10]}, commit {meta['commit']}"
+        f"{_load_text(meta.get('load_average'))}.  \n"
         f"Model: {meta['parameters'] / 1e6:.2f}M parameters ({_model_text(meta['config'])}), "
         f"{meta['tokens_per_step']} tokens per step over all ranks.\n\n"
         f"{table}\n\n{slowest + chr(10) + chr(10) if slowest else ''}{_method(meta)}\n"
+        f"{extra}"
         f"<!-- end benchmark section: {key} -->\n"
     )
+
+
+def _load_text(load: list | tuple | None) -> str:
+    if not load or None in load:
+        return ""
+    return f"; machine load average (1 min) {load[0]:.1f} at the start, {load[1]:.1f} at the end, on {os.cpu_count()} cores"
 
 
 def _section_topic(key: str) -> str:
@@ -230,8 +246,10 @@ def _section_topic(key: str) -> str:
     topics = []
     if "-tp" in key:
         topics.append(f"FSDP + TP ({key.split('-tp')[1].split('-')[0]}-way)")
-    if key.endswith("-comm-policy"):
+    if "-comm-policy" in key:
         topics.append("CommPolicy modes")
+    if key.endswith("-overhead"):
+        topics.append("host overhead (tiny model, compute ~0)")
     return "".join(f", {topic}" for topic in topics)
 
 
@@ -242,6 +260,25 @@ def _model_text(config: dict) -> str:
             f"seq {config['seq']}, batch {config['batch']} per rank, {head}, {precision}, "
             + (f"tensor parallel {config['tp']} ways (torchtitan's plan; batch per dp rank), " if config.get("tp", 1) > 1 else "")
             + f"{config['warmup']} warm-up + {config['steps']} measured steps")
+
+
+def _overhead_text(cfg: BenchConfig, summary: dict[str, dict], profiles: dict[str, dict]) -> str:
+    """With --shallow-layers and --profile-step: the per-block table and the profiles, as Markdown."""
+    parts = []
+    table = per_block_table(summary, BASELINE_SPEED)
+    if table:
+        missing = [f"{name}: {f['per_block_status']}" for name, f in summary.items() if f.get("per_block_status")]
+        parts.append(
+            f"### Host time per block\n\nEach mode also ran at {cfg.shallow_layers} layers, interleaved with the "
+            f"{cfg.layers}-layer run in the same process; host ms per block is the slope of the median step time "
+            f"between the two depths, (p10–p90) a bootstrap over the measured steps, and fixed ms per step the "
+            f"intercept (embedding, loss, root module, the optimizer's per-step part): [Note: host time per block] "
+            f"in benchmarks/overhead.py. Step time / layers would charge each block a share of the fixed part.\n\n"
+            + table + "".join(f"\n\n{line}" for line in missing) + "\n"
+        )
+    if profiles:
+        parts.append(profile_markdown(profiles, cfg.command))
+    return "".join("\n" + part for part in parts)
 
 
 def write_results_md(path: str, section: str, key: str) -> None:
@@ -293,10 +330,12 @@ def publish(cfg: BenchConfig, results: dict, world: int, device: torch.device) -
     summary = summarize(cfg, results, world)
     meta = _meta(cfg, results, world, device)
     table = markdown_table(summary)
-    section = _section(meta, table, summary)
+    overhead = _overhead_text(cfg, summary, results.get("profiles", {}))
+    section = _section(meta, table, summary, overhead)
     os.makedirs(cfg.out_dir, exist_ok=True)
     with open(os.path.join(cfg.out_dir, "results.json"), "w") as out:
-        json.dump({"meta": meta, "modes": summary, "errors": results["errors"]}, out, indent=1)
+        json.dump({"meta": meta, "modes": summary, "profiles": results.get("profiles", {}), "errors": results["errors"]},
+                  out, indent=1)
     with open(os.path.join(cfg.out_dir, "results.md"), "w") as out:
         out.write(section)
     wrote_png = _plot(os.path.join(cfg.out_dir, "results.png"), cfg, summary)
@@ -307,6 +346,8 @@ def publish(cfg: BenchConfig, results: dict, world: int, device: torch.device) -
     slowest = _slowest_line(summary)
     if slowest:
         print("\n" + slowest)
+    if overhead:
+        print("\n" + overhead)
     written = ["results.md", "results.json"] + (["results.png"] if wrote_png else [])
     print(f"\nwrote {', '.join(os.path.join(cfg.out_dir, name) for name in written)}"
           + (f" and the section in {cfg.results_md}" if cfg.results_md else ""))

@@ -25,6 +25,7 @@ from benchmarks import report
 from benchmarks.config import BenchConfig
 from benchmarks.measure import probe_step, timed_step
 from benchmarks.modes import COMPILED, Mode, build_mode
+from benchmarks.overhead import profile_step, shallow_name
 from benchmarks.progress import Progress
 
 __all__ = ["worker"]
@@ -73,12 +74,16 @@ class _Agreement:
         return next(r for r in reasons if r)
 
 
-def _build(name: str, cfg: BenchConfig, device: torch.device, agree: _Agreement, errors: dict) -> tuple[Mode | None, str | None]:
+def _build(name: str, cfg: BenchConfig, device: torch.device, agree: _Agreement, errors: dict,
+           layers: int | None = None) -> tuple[Mode | None, str | None]:
+    """Mode ``name`` at --layers, or as its shallow twin at ``layers`` (named so in ``errors``)."""
     mode, local_reason = None, None
+    key = name if layers is None else shallow_name(name, layers)
     try:
-        mode = build_mode(name, cfg.model_config(), device, cfg.seed, cfg.lr, cfg.bf16, cfg.tp)
+        mode = build_mode(name, cfg.model_config(layers), device, cfg.seed, cfg.lr, cfg.bf16, cfg.tp)
+        mode.name = key
     except Exception as error:  # noqa: BLE001 - reported as "unavailable" in the table
-        local_reason, errors[name] = _short(error), traceback.format_exc()
+        local_reason, errors[key] = _short(error), traceback.format_exc()
     reason = agree.reason(local_reason)
     return (mode, None) if reason is None else (None, reason)
 
@@ -121,6 +126,8 @@ def worker(cfg: BenchConfig) -> None:
     """Runs on every rank with the process group initialized (see launch.py); rank 0 reports."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    if cfg.threads is not None and device.type == "cpu":
+        torch.set_num_threads(cfg.threads)  # after launch.py's default of the cores / ranks
     cache = _fresh_inductor_cache(rank) if cfg.fresh_inductor_cache and cfg.inductor_cache_dir is None else None
     if cfg.inductor_cache_dir is not None:
         _use_inductor_cache(os.path.join(cfg.inductor_cache_dir, f"rank{rank}"))
@@ -135,6 +142,7 @@ def worker(cfg: BenchConfig) -> None:
 
 def _run(cfg: BenchConfig, rank: int, world: int, device: torch.device, cache: str | None = None) -> dict:
     agree = _Agreement(device)
+    load_at_start = _load_average()
     # [Note: a cold compile per mode]
     # With a fresh cache (``cache``, this rank's), each mode compiles with one of its own, and with
     # Inductor's in-memory caches emptied before each of its warm-up steps. One cache for every mode
@@ -148,23 +156,28 @@ def _run(cfg: BenchConfig, rank: int, world: int, device: torch.device, cache: s
     errors: dict[str, str] = {}
     status: dict[str, str | None] = {}
     modes: dict[str, Mode] = {}
-    progress = Progress(len(cfg.modes) * (cfg.total_steps + 2), enabled=rank == 0)
+    # Every mode, then with --shallow-layers its twin at that depth ([Note: host time per block] in overhead.py).
+    twins = {shallow_name(name, cfg.shallow_layers): name for name in cfg.modes} if cfg.shallow_layers else {}
+    keys = [*cfg.modes, *twins]
+    profiled = [name for name in cfg.modes if name.startswith("ours-")] if cfg.profile_step else []
+    progress = Progress(len(keys) * (cfg.total_steps + 1) + len(cfg.modes) + len(profiled), enabled=rank == 0)
     startup = _inductor_startup(device, agree) if COMPILED.intersection(cfg.modes) else None
-    for name in cfg.modes:
-        modes[name], status[name] = _build(name, cfg, device, agree, errors)
-        progress.advance(f"built {name}")
+    for key in keys:
+        name = twins.get(key, key)
+        modes[key], status[key] = _build(name, cfg, device, agree, errors, cfg.shallow_layers if key in twins else None)
+        progress.advance(f"built {key}")
 
-    times: dict[str, list[list[float]]] = {name: [] for name in cfg.modes}  # [step][rank]
-    losses: dict[str, list[float]] = {name: [] for name in cfg.modes}
+    times: dict[str, list[list[float]]] = {key: [] for key in keys}  # [step][rank]
+    losses: dict[str, list[float]] = {key: [] for key in keys}
     probes: dict[str, list] = {}
     for step in range(cfg.total_steps):
-        for name in cfg.modes:
+        for name in keys:
             if status[name] is not None:
                 progress.advance(f"{name} unavailable")
                 continue
             phase = "warm-up" if step < cfg.warmup else "step"
             if step < cfg.warmup:  # where modes compile; a measured step runs what is compiled
-                use_cache_of(name)
+                use_cache_of(twins.get(name, name))  # a twin's compile reuses its mode's kernels
             seconds, loss, reason = _step_all_ranks(modes[name], batches[step], device, agree, errors)
             if reason is not None:
                 status[name] = reason if step == 0 else f"failed at step {step}: {reason}"
@@ -177,6 +190,11 @@ def _run(cfg: BenchConfig, rank: int, world: int, device: torch.device, cache: s
         if status[name] is None:
             probes[name] = _probe_all_ranks(modes[name], batches[cfg.total_steps], device, agree, errors)
         progress.advance(f"probed {name}")
+    profiles = {}
+    for name in profiled:
+        if status[name] is None:
+            profiles[name] = _profile(modes[name], batches[cfg.total_steps], errors)
+        progress.advance(f"profiled {name}")
     modes.clear()
     gc.collect()
 
@@ -189,9 +207,28 @@ def _run(cfg: BenchConfig, rank: int, world: int, device: torch.device, cache: s
             warm[name] = _warm_compile(name, cfg, batches, device, agree, errors, times[name], progress)
     progress.close()
     return {
-        "inductor_startup_s": startup, "status": status, "times": times, "losses": losses, "probes": probes, "warm": warm,
-        "errors": errors if rank == 0 else {},
+        "inductor_startup_s": startup, "status": {name: status[name] for name in cfg.modes}, "times": times,
+        "losses": losses, "probes": probes, "warm": warm, "errors": errors if rank == 0 else {},
+        "shallow": {name: {"status": status[key], "times": times[key]} for key, name in twins.items()},
+        "profiles": profiles, "load_average": (load_at_start, _load_average()),
     }
+
+
+def _load_average() -> float | None:
+    """The machine's 1-minute load average: other work on a shared machine shows in every step time."""
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None
+
+
+def _profile(mode: Mode, tokens: torch.Tensor, errors: dict) -> dict:
+    """This rank's profile of one step (benchmarks/overhead.py); ranks are not compared."""
+    try:
+        return profile_step(mode, tokens)
+    except Exception as error:  # noqa: BLE001 - shown as unavailable in the profile sub-section
+        errors[f"{mode.name} (profile)"] = traceback.format_exc()
+        return {"error": _short(error)}
 
 
 def _inductor_startup(device: torch.device, agree: _Agreement) -> float:

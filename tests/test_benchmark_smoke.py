@@ -159,3 +159,50 @@ def test_each_mode_compiles_cold_in_a_cache_of_its_own(tmp_path, monkeypatch):
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] != ours
     assert os.environ["TRITON_CACHE_DIR"].startswith(os.environ["TORCHINDUCTOR_CACHE_DIR"])
     assert kernel not in PyCodeCache.modules
+
+
+# ---- --overhead: host time per block and the profile of a step (benchmarks/overhead.py) -----------
+
+OVERHEAD_TINY = ["--overhead", "--layers", "2", "--shallow-layers", "1", "--steps", "2", "--warmup", "1",
+                 "--modes", "ours-eager", "--profile-step", "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def overhead_run(tmp_path_factory):
+    """``python -m benchmarks --overhead --profile-step`` on 2 tiny layers (against 1), ours-eager only
+    (about 14 s on 2 idle cores, nearly all of it two processes importing torch): (stdout, results.json,
+    the RESULTS.md it wrote)."""
+    scratch = tmp_path_factory.mktemp("overhead")
+    results_md = scratch / "RESULTS.md"
+    command = [sys.executable, "-m", "benchmarks", *OVERHEAD_TINY, "--out-dir", str(scratch), "--results-md", str(results_md)]
+    done = subprocess.run(command, cwd=REPO_DIR, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout, json.loads((scratch / "results.json").read_text()), results_md.read_text()
+
+
+def test_overhead_reports_host_ms_per_block_from_two_depths(overhead_run):
+    stdout, data, _ = overhead_run
+    per_block = data["modes"]["ours-eager"]["per_block"]
+    assert (per_block["deep_layers"], per_block["shallow_layers"]) == (2, 1)
+    assert math.isfinite(per_block["block_ms"]) and per_block["shallow_step_ms"] > 0
+    assert "| ours-eager |" in stdout.split("host ms per block (p10–p90)")[1]
+
+
+def test_overhead_profile_of_ours_counts_dispatches_and_names_python_functions(overhead_run):
+    _, data, results_md = overhead_run
+    assert list(data["profiles"]) == ["ours-eager"]
+    profile = data["profiles"]["ours-eager"]
+    assert profile["aten_ops"] >= profile["aten_top_level"] > 0
+    assert profile["compiled_regions"] == 0 and len(profile["top"]) == 15
+    assert any(row["where"].endswith(")") and ".py:" in row["where"] for row in profile["top"])  # file:line(function)
+    section = results_md.split("<!-- benchmark section: cpu-gloo-world1-overhead -->")[1]
+    assert "### Host time per block" in section and "#### ours-eager" in section and "--profile-step" in section
+
+
+def test_host_ms_per_block_is_the_slope_between_depths_not_step_time_over_layers():
+    from benchmarks.overhead import per_block_figures
+
+    # 10 ms fixed per step + 2 ms per block: 42 ms at 16 layers, 18 ms at 4.
+    figures = per_block_figures([0.042, 0.041, 0.043], [0.018, 0.017, 0.019], deep_layers=16, shallow_layers=4)
+    assert figures["block_ms"] == pytest.approx(2.0) and figures["fixed_ms"] == pytest.approx(10.0)
+    assert figures["block_ms_p10"] <= figures["block_ms"] <= figures["block_ms_p90"]
