@@ -96,7 +96,9 @@ BENCH_RUNS = {
 # Each stage's time box in seconds (see [Note: the time boxes]), summing to DEFAULT_BUDGET_S: the tests
 # first (parity compiles six models; the Triton kernels compile per dtype pair), then what measures.
 # On the H200: the tests reached 85 of 102 in 127 s, the kernels 335 rows in 71 s, the offload stage took 9 s.
-STAGE_BOXES_S = {"pytest": 170, "kernels": 70, "bench-default": 60, "bench-compute": 70, "bench-overhead": 60, "offload": 30}
+# The second H200 run: tests 121 s, kernels out of their box at 70 s, benchmarks 35, 65 and 65 s (the
+# overhead preset now also runs every mode at its shallow depth, for host time per block).
+STAGE_BOXES_S = {"pytest": 150, "kernels": 70, "bench-default": 50, "bench-compute": 70, "bench-overhead": 90, "offload": 30}
 TINY_MODEL = ["--dim", "32", "--layers", "2", "--heads", "4", "--vocab", "64", "--seq", "16", "--batch", "2"]
 DEFAULT_BUDGET_S = 460.0  # under 8 minutes: the GPU run must end within 8
 DRY_RUN_BUDGET_S = 180.0
