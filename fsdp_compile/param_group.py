@@ -48,6 +48,16 @@ def gradient_holder(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+class _OneRankUnshard:
+    """The pending unshard of a group over one rank: nothing in flight; the copies run at the wait
+    (see [Note: an unshard over a shard group of one rank])."""
+
+    overlapped = False
+
+    def wait(self, comm: CommContext) -> None:
+        return None
+
+
 def _eager_only(method: Callable[..., Any]) -> Callable[..., Any]:
     """Run ``method`` as plain eager code: never traced by Dynamo (a backward hook can fire inside a
     compiled frame that called ``loss.backward()``), with functorch transforms
@@ -132,7 +142,7 @@ class FSDPParamGroup:
         self.reduce_scatter_mesh_info: MeshInfo = mesh_info
         self.training_state = TrainingState.IDLE
         self.sharded_state = ShardedState.SHARDED
-        self._pending_all_gather: PendingAllGather | PendingPackedAllGather | None = None
+        self._pending_all_gather: PendingAllGather | PendingPackedAllGather | _OneRankUnshard | None = None
         self._reduction_in_flight: tuple[PendingReduceScatter, list[FSDPParam]] | None = None
         # Marks the post-forward shards' copy (int reshard_after_forward): the next copy-in reads them.
         self._post_forward_shard_event: object = None
@@ -194,6 +204,9 @@ class FSDPParamGroup:
             self._unshard_packed(reason)
             return
         policy = self.comm_policy
+        if self._copies_at_one_rank():
+            self._pending_all_gather = _OneRankUnshard()
+            return
         if policy.quantizes_all_gather:
             self._pending_all_gather = collectives.issue_quantized_all_gather(
                 self._all_gather_inputs(reason), [p.padded_shard_numel for p in self.fsdp_params],
@@ -213,6 +226,25 @@ class FSDPParamGroup:
             self._all_gather_inputs(reason), padded, self.param_dtype, group, self.comm, self.label, reason,
             self.custom_all_gather,
         )
+
+    def _copies_at_one_rank(self) -> bool:
+        """Whether this unshard copies each shard straight into its unsharded parameter.
+
+        [Note: an unshard over a shard group of one rank]
+        Over one rank (world size 1, or HSDP with shard groups of one) a shard is its whole
+        parameter: no all-gather runs, and the copy-in into a flat buffer and the copy-out from it
+        would copy every parameter twice with a Python loop each. One ``torch._foreach_copy_``
+        (which casts to the parameter dtype) into the unsharded parameters does it instead, as the
+        group is waited on. Not for what needs the buffer: a custom all-gather, a quantized or
+        packed all-gather, a post-forward shard, a parameter sharded on a dim > 0 (its dim-0 view
+        is a copy), CPU offload (its copy to the device goes on the copy-in stream).
+        """
+        if (
+            self.mesh_info.shard_size != 1 or self.custom_all_gather is not None or self.sharded_state != ShardedState.SHARDED
+            or self.comm_policy.quantizes_all_gather
+        ):
+            return False
+        return all(p.layout.dim == 0 and not p.offload_to_cpu for p in self.fsdp_params)
 
     def _all_gather_inputs(self, reason: str, packed: bool = False) -> list:
         """Each member's all-gather input(s), on the device.
@@ -296,6 +328,14 @@ class FSDPParamGroup:
                 for fsdp_param, out in zip(self.fsdp_params, outs):
                     fsdp_param.finish_copy_out(out)
             self.comm.after_copy_out(pending.data, in_forward)
+            self._expose_unsharded()
+            return
+        if isinstance(pending, _OneRankUnshard):
+            with torch.no_grad():
+                outs = [p.unsharded_data_for_copy_out() for p in self.fsdp_params]
+                # One op for the group, casting as it copies: the shard is the whole parameter.
+                torch._foreach_copy_([out.view(-1) for out in outs], [p.all_gather_input().view(-1) for p in self.fsdp_params])
+            self.comm.after_copy_out(pending, in_forward)
             self._expose_unsharded()
             return
         gathered = pending.wait(self.comm)

@@ -340,3 +340,44 @@ def test_list_of_modules_shares_one_group(dist):
     assert result.collectives.count(("all_gather", "norm")) == 2
     assert result.collectives.count(("reduce_scatter", "norm")) == 1
     assert result.grad_error < 1e-6
+
+
+def _unshard_copies_per_step(mp: bool) -> dict:
+    """Calls of the all-gather copy ops in one eager training step, and the losses of two steps."""
+    from fsdp_compile.kernels import ops
+
+    counted = {"copy_in": 0, "copy_out": 0}
+    copy_in, copy_out = ops.all_gather_copy_in, ops.all_gather_copy_out
+
+    def counting(name, op):
+        def call(*args, **kwargs):
+            counted[name] += 1
+            return op(*args, **kwargs)
+        return call
+
+    policy = fsdp_compile.MixedPrecisionPolicy(param_dtype=torch.bfloat16 if mp else None)
+    model = shard_model(sharded_copy(build_reference()), fully_shard, mp_policy=policy)
+    losses = []
+    for step, batch in enumerate(global_batches(2, 2, dist.get_world_size())):
+        tokens = local_part(batch)
+        if step == 1:
+            ops.all_gather_copy_in, ops.all_gather_copy_out = counting("copy_in", copy_in), counting("copy_out", copy_out)
+        try:
+            loss = next_token_loss(model(tokens), tokens)
+            loss.backward()
+        finally:
+            ops.all_gather_copy_in, ops.all_gather_copy_out = copy_in, copy_out
+        losses.append(loss.item())
+        for p in model.parameters():
+            p.grad = None
+    return {**counted, "losses": losses}
+
+
+def test_a_shard_group_of_one_rank_copies_each_shard_once_into_its_parameter(dist):
+    """[Note: an unshard over a shard group of one rank]: no flat buffer, no copy-in or copy-out op at
+    world size 1 (two ranks use them); test_parity.py checks world size 1 against the unsharded model."""
+    for mp in (False, True):
+        one, two = dist.run(1, _unshard_copies_per_step, mp)[0], dist.run(2, _unshard_copies_per_step, mp)[0]
+        assert one["copy_in"] == one["copy_out"] == 0, one
+        assert two["copy_in"] > 0 and two["copy_out"] > 0, two
+        assert all(loss == loss and loss > 0 for loss in one["losses"]), one
