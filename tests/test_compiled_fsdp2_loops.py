@@ -539,3 +539,52 @@ def test_steps_outside_the_compiled_root_leave_it_compiled_and_warn_of_nothing(d
     assert result["warned"] == [], result
     assert result["raised"] == (2 if case == "reset" else 0), result
     assert max(result["compiled_vs_eager"].values()) == 0.0, result
+
+
+# --- two compiled models in one process ------------------------------------------------------------
+
+
+def _two_models_interleaved():
+    """Two independent models (different widths), each compiled with fsdp_aot_eager, trained step by
+    step interleaved in one process, and each trained alone: the state the compiled path keeps
+    (block frames, prefetch slots, recompile bookkeeping, graph checks) must not mix them up."""
+    from fsdp_testing import TinyLM
+
+    def build(dim: int):
+        torch.manual_seed(dim)
+        model = TinyLM(dim=dim, n_layers=2)
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        return model, torch.compile(model, backend="fsdp_aot_eager")
+
+    def step(model, runner, seed: int) -> float:
+        tokens = torch.randint(0, 37, (2, 6), generator=torch.Generator().manual_seed(seed + dist.get_rank()))
+        loss = runner(tokens).float().pow(2).mean()
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.1 * p.grad
+                p.grad = None
+        return loss.item()
+
+    losses = {}
+    torch._dynamo.reset()
+    alone = {}
+    for dim in (8, 12):
+        model, runner = build(dim)
+        alone[dim] = [step(model, runner, 10 * s) for s in range(3)]
+    torch._dynamo.reset()
+    pair = {dim: build(dim) for dim in (8, 12)}
+    together = {8: [], 12: []}
+    for s in range(3):
+        for dim, (model, runner) in pair.items():
+            together[dim].append(step(model, runner, 10 * s))
+    losses["alone"], losses["together"] = alone, together
+    return losses
+
+
+def test_two_compiled_models_trained_interleaved_each_train_as_alone(dist):
+    result = dist.run(2, _two_models_interleaved)[0]
+    assert result["together"] == result["alone"], result
+    assert result["alone"][8] != result["alone"][12], result  # two models, not one twice
