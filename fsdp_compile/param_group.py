@@ -255,12 +255,11 @@ class FSDPParamGroup:
         landed, and the allocator could hand its memory on while the copy-in still read it: an H200
         trained 4.6e-2 off the run without offload, pinned only. The copies go on the copy-in stream.
         """
-        inputs = (lambda: [p.all_gather_inputs() for p in self.fsdp_params]) if packed else (
-            lambda: [p.all_gather_input() for p in self.fsdp_params])
-        if not self.fsdp_params or not self.fsdp_params[0].offload_to_cpu:
-            return inputs()
+        read = FSDPParam.all_gather_inputs if packed else FSDPParam.all_gather_input
+        if not self.fsdp_params[0].offload_to_cpu:
+            return [read(p) for p in self.fsdp_params]
         with self.comm.handle.on_stream(self.comm.all_gather_streams(reason)[0], "all_gather_inputs_to_device"):
-            return inputs()
+            return [read(p) for p in self.fsdp_params]
 
     def _unshard_packed(self, reason: str) -> None:
         """The all-gather of a group with an all-gather extension; see [Note: all-gather extensions]."""

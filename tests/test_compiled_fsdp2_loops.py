@@ -16,6 +16,8 @@ import fsdp_compile
 from fsdp_compile import fully_shard
 from torch.distributed.device_mesh import init_device_mesh
 
+from fsdp_testing import shard_model
+
 
 def _gap(a: nn.Module, b: nn.Module) -> dict[str, float]:
     return {
@@ -309,10 +311,7 @@ def _structured_activations(as_dataclass, bf16):
     policy = fsdp_compile.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else fsdp_compile.MixedPrecisionPolicy()
     results = []
     for compiled in (False, True):
-        model = copy.deepcopy(reference)
-        for layer in model.layers:
-            fully_shard(layer, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
+        model = shard_model(copy.deepcopy(reference), fully_shard, mp_policy=policy)
         runner = torch.compile(model, backend="fsdp_aot_eager") if compiled else model
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         for step in range(3):
@@ -442,10 +441,7 @@ def _collectives_over_one_shard_rank(hsdp):
     mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard")) if hsdp else None
     models = []
     for compiled in (False, True):
-        model = copy.deepcopy(reference)
-        for layer in model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        model = shard_model(copy.deepcopy(reference), fully_shard, mesh=mesh)
         models.append((model, torch.compile(model, backend="fsdp_aot_eager") if compiled else model))
     seen: dict[str, int] = {}
     for step in range(3):
@@ -502,9 +498,7 @@ def _outside_the_compiled_root(case):
     for compiled in (False, True):
         model = copy.deepcopy(reference)
         model.layers[1].register_forward_pre_hook(raise_when_told)
-        for layer in model.layers:
-            fully_shard(layer)
-        fully_shard(model)
+        shard_model(model, fully_shard)
         models.append((model, torch.compile(model, backend="fsdp_aot_eager") if compiled else model))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -552,10 +546,7 @@ def _two_models_interleaved():
 
     def build(dim: int):
         torch.manual_seed(dim)
-        model = TinyLM(dim=dim, n_layers=2)
-        for layer in model.layers:
-            fully_shard(layer)
-        fully_shard(model)
+        model = shard_model(TinyLM(dim=dim, n_layers=2), fully_shard)
         return model, torch.compile(model, backend="fsdp_aot_eager")
 
     def step(model, runner, seed: int) -> float:
