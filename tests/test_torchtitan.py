@@ -1,15 +1,21 @@
 """torchtitan's trainer on fsdp_compile against the same run on PyTorch's FSDP2.
 
-torchtitan's llama3 debug recipe (``--module llama3 --config llama3_debugmodel``: 6 blocks, bf16
-mixed precision with float32 reduction, selective activation checkpointing, chunked loss, AdamW),
-a few steps at a short sequence on 2 gloo ranks (``dp_shard=2``), run by torchtitan's own
-``ConfigManager`` / ``config.build()`` / ``trainer.train()``, once on PyTorch's ``fully_shard`` and
-once with fsdp_compile's in its place (the names ``torchtitan.distributed.fsdp`` imports, as the
-README says). What the CPU ranks need (device, attention, data, tokenizer) is the test's:
-tests/torchtitan_harness.py.
+torchtitan's llama3 debug recipe (``--module llama3 --config llama3_debugmodel``: 6 blocks of
+width 256, bf16 mixed precision with float32 reduction, selective activation checkpointing,
+chunked loss, AdamW, gradient clipping), 3 steps of 1x32 tokens per rank on 2 gloo ranks
+(``dp_shard=2``), run by torchtitan's own ``ConfigManager`` / ``config.build()`` /
+``trainer.train()``, once on PyTorch's ``fully_shard`` and once with fsdp_compile's in its place
+(the names ``torchtitan.distributed.fsdp`` imports, as the README says), in four forms: eager;
+torchtitan's default compile (``--compile.enable``: each block compiled in place by Inductor
+before fully_shard, the loss compiled too); the same with ``--compile.backend fsdp_inductor``;
+the blocks eager and the whole model compiled by fsdp_inductor. Each step's global loss and
+gradient norm (as torchtitan logs them) are compared. What the CPU ranks need (device, attention,
+gloo's reduction, data, tokenizer) is the test's: tests/torchtitan_harness.py.
 
 Needs torchtitan (``pip install torchtitan``, with its ``datasets``, ``tokenizers`` and ``tyro``),
-which the project does not install; skipped otherwise.
+which the project does not install; skipped otherwise. Measured with torchtitan 0.3.0 on torch
+2.13 (CPU): 5 min 40 s on the shared 2-core machine with Inductor's cache warm, most of it
+compiling; ``-s`` prints each run's losses, gradient norms and times.
 """
 from __future__ import annotations
 
@@ -85,9 +91,22 @@ def test_eager_bitwise_equal_to_fsdp2(titan):
     assert ours == reference
 
 
-@pytest.mark.parametrize("form", ["compile_fsdp_inductor", "root_fsdp_inductor", "compile"])
-def test_compiled_within_compile_noise_of_fsdp2(titan, form):
+def test_default_compile_bitwise_equal_to_fsdp2(titan):
+    """torchtitan's ``--compile.enable``: each block compiled in place by Inductor before
+    fully_shard, under selective activation checkpointing. Our hooks run eagerly around the block's
+    compiled forward, as FSDP2's do, so the same compiled code sees the same inputs."""
+    reference, ours = _compare(titan, "compile")
+    assert ours == reference
+
+
+# Relative gaps allowed where fsdp_inductor compiles (its own graphs, where collectives and casts
+# may move): measured at most 1.4e-5 (loss) and 2.0e-5 (grad norm) with the root compiled; 0 per block.
+LOSS_RTOL = NORM_RTOL = 1e-3
+
+
+@pytest.mark.parametrize("form", ["compile_fsdp_inductor", "root_fsdp_inductor"])
+def test_fsdp_inductor_within_compile_noise_of_fsdp2(titan, form):
     reference, ours = _compare(titan, form)
-    for (loss, norm), (ref_loss, ref_norm) in zip(ours, reference):
-        assert abs(loss - ref_loss) <= 1e-3 * abs(ref_loss)
-        assert abs(norm - ref_norm) <= 1e-2 * abs(ref_norm)
+    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(ours, reference), 1):
+        assert abs(loss - ref_loss) <= LOSS_RTOL * abs(ref_loss), f"step {step}: loss {loss} vs FSDP2's {ref_loss}"
+        assert abs(norm - ref_norm) <= NORM_RTOL * abs(ref_norm), f"step {step}: grad norm {norm} vs FSDP2's {ref_norm}"

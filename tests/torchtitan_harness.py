@@ -10,6 +10,9 @@ of it is fsdp_compile's: the same harness runs the recipe on PyTorch's FSDP2 and
   ``init_distributed`` keeps it (it skips an initialized group).
 - Reduction: FSDP2 reduces torchtitan's undivided gradients by NCCL's ``PREMUL_SUM``, which gloo
   lacks; the harness asks every FSDP module for a plain SUM (``_sum_reduction``).
+- Parallelism backend: ``--parallelism.spmd_backend partial_dtensor`` (DTensor parameters);
+  torchtitan's default ``spmd_types`` annotates plain parameters, which torch 2.13's FSDP2 and
+  fsdp_compile alike refuse in ``fully_shard``.
 - Timeouts: torchtitan shortens the group's timeout after the first step by
   ``torch.distributed.set_timeout``, newer than torch 2.13; the ranks keep their group's.
 - Attention: the recipe's FlexAttention is compiled by torchtitan with Inductor, which has no
@@ -17,6 +20,9 @@ of it is fsdp_compile's: the same harness runs the recipe on PyTorch's FSDP2 and
   with the same mask made dense (the recipe's causal, per-document mask), and the mask is built by
   ``create_block_mask`` uncompiled. With no flex kernel left, torchtitan's check that a flex model
   compiles with inductor or aot_eager only is lifted (``--compile.backend fsdp_inductor``).
+- Metrics: the trainer's ``metrics_processor.log`` is replaced by a recorder of each step's
+  global loss and gradient norm (the values torchtitan logs); its device memory figures mean
+  nothing on CPU.
 - Data and tokenizer: the recipe's ``c4_test`` set (JSON lines, a ``text`` field) is written here
   from a fixed seed, and a byte-level tokenizer (256 bytes and the two special tokens) is built
   with ``tokenizers``, so the test needs no assets.
@@ -190,6 +196,15 @@ def use_fsdp_compile() -> Iterator[None]:
             setattr(tt_fsdp, name, value)
 
 
+def _assert_sharded_by(model: torch.nn.Module, fsdp: str) -> None:
+    import fsdp_compile
+    from torch.distributed.fsdp import FSDPModule
+
+    expected, other = (fsdp_compile.FSDPModule, FSDPModule) if fsdp == "fsdp_compile" else (FSDPModule, fsdp_compile.FSDPModule)
+    blocks = [model, *model.layers.values()]
+    assert all(isinstance(m, expected) and not isinstance(m, other) for m in blocks), f"not every block sharded by {fsdp}"
+
+
 def train(work_dir: str, *, fsdp: str, steps: int, extra_args: tuple[str, ...] = (), compile_root: str | None = None) -> dict[str, Any]:
     """Run the recipe for ``steps`` steps on this rank: ``steps``, each step's (global mean loss,
     grad norm); ``build_s`` and ``train_s``, the seconds ``config.build()`` and ``train()`` took."""
@@ -219,6 +234,7 @@ def train(work_dir: str, *, fsdp: str, steps: int, extra_args: tuple[str, ...] =
     with use_fsdp_compile() if fsdp == "fsdp_compile" else contextlib.nullcontext():
         start = time.perf_counter()
         trainer = config.build()
+        _assert_sharded_by(trainer.model_parts[0], fsdp)
         if compile_root is not None:
             trainer.model_parts[0].compile(backend=compile_root)
         steps_seen: list[tuple[float, float]] = []
