@@ -83,7 +83,8 @@ def titan(tmp_path_factory):
 def _compare(titan, form: str) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
     reference, ours = titan("fsdp2", form), titan("fsdp_compile", form)
     for name, run in (("FSDP2", reference), ("fsdp_compile", ours)):
-        print(f"\n{form} {name}: (loss, grad norm) per step {run['steps']}; build {run['build_s']:.1f} s, train {run['train_s']:.1f} s")
+        print(f"\n{form} {name}: (loss, grad norm) per step {run['steps']}; "
+              f"build {run['build_s']:.1f} s, train {run['train_s']:.1f} s")
     assert len(ours["steps"]) == len(reference["steps"]) == STEPS
     return reference["steps"], ours["steps"]
 

@@ -174,7 +174,8 @@ def write_assets(folder: str, documents: int = 64) -> tuple[str, str]:
     with open(os.path.join(data_dir, "data.json"), "w") as f:
         for _ in range(documents):
             text = " ".join(rng.choice(words) for _ in range(rng.randint(5, 40)))
-            f.write(json.dumps({"text": text, "timestamp": "2019-04-25T12:57:54Z", "url": "https://example.com"}) + "\n")
+            record = {"text": text, "timestamp": "2019-04-25T12:57:54Z", "url": "https://example.com"}
+            f.write(json.dumps(record) + "\n")
     return tokenizer_dir, data_dir
 
 
@@ -200,12 +201,16 @@ def _assert_sharded_by(model: torch.nn.Module, fsdp: str) -> None:
     import fsdp_compile
     from torch.distributed.fsdp import FSDPModule
 
-    expected, other = (fsdp_compile.FSDPModule, FSDPModule) if fsdp == "fsdp_compile" else (FSDPModule, fsdp_compile.FSDPModule)
-    blocks = [model, *model.layers.values()]
-    assert all(isinstance(m, expected) and not isinstance(m, other) for m in blocks), f"not every block sharded by {fsdp}"
+    expected, other = (fsdp_compile.FSDPModule, FSDPModule)
+    if fsdp != "fsdp_compile":
+        expected, other = other, expected
+    sharded = [model, *model.layers.values()]
+    assert all(isinstance(m, expected) and not isinstance(m, other) for m in sharded), f"not all sharded by {fsdp}"
 
 
-def train(work_dir: str, *, fsdp: str, steps: int, extra_args: tuple[str, ...] = (), compile_root: str | None = None) -> dict[str, Any]:
+def train(
+    work_dir: str, *, fsdp: str, steps: int, extra_args: tuple[str, ...] = (), compile_root: str | None = None
+) -> dict[str, Any]:
     """Run the recipe for ``steps`` steps on this rank: ``steps``, each step's (global mean loss,
     grad norm); ``build_s`` and ``train_s``, the seconds ``config.build()`` and ``train()`` took."""
     os.environ.setdefault("LOCAL_RANK", str(torch.distributed.get_rank()))
