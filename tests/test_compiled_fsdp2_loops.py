@@ -579,3 +579,95 @@ def test_two_compiled_models_trained_interleaved_each_train_as_alone(dist):
     result = dist.run(2, _two_models_interleaved)[0]
     assert result["together"] == result["alone"], result
     assert result["alone"][8] != result["alone"][12], result  # two models, not one twice
+
+
+# --- compiled twins of more training patterns (project issue 48) -----------------------------------
+# Each loop below trains one model eagerly and one with the root compiled by fsdp_aot_eager, through
+# the same steps: the compiled parameters equal eager's bitwise (fp32), the compiled steps issue the
+# same collectives as the eager ones (counted with the profiler, per step), no block runs eagerly
+# inside the compiled model, and both match an unsharded reference.
+
+
+def _eager_and_compiled(build, loss_of, steps: int, lr: float = 0.1, backend: str = "fsdp_aot_eager") -> dict:
+    """``build()``: a sharded model (a fresh copy of the same reference each call); ``loss_of(model,
+    runner, step)``: the step's loss (its backward and the optimizer step are run here). The two
+    trained models, each one's collectives per step, and the fsdp_compile warnings of the compiled run."""
+    import warnings
+
+    from benchmarks.measure import count_collectives
+
+    torch._dynamo.reset()
+    result: dict = {"models": [], "collectives": [], "warned": []}
+    for compiled in (False, True):
+        model = build()
+        runner = torch.compile(model, backend=backend) if compiled else model
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+        per_step = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(steps):
+                with count_collectives() as counts:
+                    loss_of(model, runner, step).backward()
+                per_step.append({kind: n for kind, n in sorted(counts.items()) if n})
+                optimizer.step()
+                optimizer.zero_grad()
+        result["models"].append(model)
+        result["collectives"].append(per_step)
+        if compiled:
+            result["warned"] = [str(w.message)[:200] for w in caught if "fsdp_compile" in str(w.message)]
+    torch._dynamo.reset()
+    return result
+
+
+def _train_reference(reference: nn.Module, loss_of, steps: int, lr: float = 0.1) -> None:
+    """``loss_of(step)``: the global batch's loss, the mean of the ranks' losses."""
+    optimizer = torch.optim.SGD(reference.parameters(), lr=lr)
+    for step in range(steps):
+        loss_of(step).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _twin_summary(run: dict, reference: nn.Module) -> dict:
+    eager, compiled = run["models"]
+    return {
+        **_gaps(eager, compiled, reference),
+        "eager_collectives": run["collectives"][0], "compiled_collectives": run["collectives"][1], "warned": run["warned"],
+    }
+
+
+def _assert_twin(result: dict, bitwise: bool = True) -> None:
+    assert result["eager_vs_reference"] < 1e-5, result
+    assert result["compiled_vs_reference"] < 1e-5, result
+    gap = max(result["compiled_vs_eager"].values())
+    assert (gap == 0.0) if bitwise else (gap < 1e-6), result
+    assert result["compiled_collectives"] == result["eager_collectives"] and result["eager_collectives"][0], result
+    assert result["warned"] == [], result
+
+
+# --- 2-D: FSDP over tensor parallelism -------------------------------------------------------------
+
+
+def _fsdp_over_tp():
+    """test_tensor_parallel.py's model on a 2x2 (dp, tp) mesh: the TP plan on each block, then
+    fully_shard over mesh["dp"] (parameters on the sibling tp mesh), the root compiled."""
+    from test_tensor_parallel import build_model, parallelize
+
+    from fsdp_compile.models import next_token_loss
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh.get_local_rank("dp")
+    reference = build_model(layers=1)
+    batches = [torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(step)) for step in range(2)]
+
+    def loss_of(model, runner, step):
+        local = batches[step].chunk(2)[dp_rank]  # the tp ranks of one dp index see the same rows
+        return next_token_loss(runner(local), local)
+
+    run = _eager_and_compiled(lambda: parallelize(copy.deepcopy(reference), fully_shard, mesh["tp"], mesh["dp"]), loss_of, steps=2)
+    _train_reference(reference, lambda step: next_token_loss(reference(batches[step]), batches[step]), steps=2)
+    return _twin_summary(run, reference)
+
+
+def test_fsdp_over_tensor_parallel_on_a_2d_mesh_trains_compiled_as_eagerly(dist):
+    _assert_twin(dist.run(4, _fsdp_over_tp)[0])
