@@ -648,26 +648,157 @@ def _assert_twin(result: dict, bitwise: bool = True) -> None:
 # --- 2-D: FSDP over tensor parallelism -------------------------------------------------------------
 
 
-def _fsdp_over_tp():
-    """test_tensor_parallel.py's model on a 2x2 (dp, tp) mesh: the TP plan on each block, then
-    fully_shard over mesh["dp"] (parameters on the sibling tp mesh), the root compiled."""
-    from test_tensor_parallel import build_model, parallelize
+class _TpResidual(nn.Module):
+    def __init__(self) -> None:
+        from test_tensor_parallel import FeedForward
 
-    from fsdp_compile.models import next_token_loss
+        super().__init__()
+        self.feed_forward = FeedForward()  # w1, w3 colwise, w2 rowwise: HIDDEN=22 rows split unevenly
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.feed_forward(x)
+
+
+class _TpModel(nn.Module):
+    def __init__(self) -> None:
+        from test_tensor_parallel import DIM
+
+        super().__init__()
+        self.inp = nn.Linear(DIM, DIM)  # the root's, replicated over tp
+        self.layers = nn.ModuleList(_TpResidual() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _fsdp_over_tp():
+    """A 2x2 (dp, tp) mesh: test_tensor_parallel.py's feed-forward TP plan on each block, then
+    fully_shard over mesh["dp"] (parameters on the sibling tp mesh), the root compiled."""
+    from test_tensor_parallel import DIM
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     dp_rank = mesh.get_local_rank("dp")
-    reference = build_model(layers=1)
-    batches = [torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(step)) for step in range(2)]
+    torch.manual_seed(0)
+    reference = _TpModel()
+    batches = [torch.randn(4, DIM, generator=torch.Generator().manual_seed(step)) for step in range(2)]
+    plan = {"feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(), "feed_forward.w2": RowwiseParallel()}
 
-    def loss_of(model, runner, step):
-        local = batches[step].chunk(2)[dp_rank]  # the tp ranks of one dp index see the same rows
-        return next_token_loss(runner(local), local)
+    def build():
+        model = copy.deepcopy(reference)
+        for layer in model.layers:
+            parallelize_module(layer, mesh["tp"], plan)
+            fully_shard(layer, mesh=mesh["dp"])
+        return fully_shard(model, mesh=mesh["dp"])
 
-    run = _eager_and_compiled(lambda: parallelize(copy.deepcopy(reference), fully_shard, mesh["tp"], mesh["dp"]), loss_of, steps=2)
-    _train_reference(reference, lambda step: next_token_loss(reference(batches[step]), batches[step]), steps=2)
+    def loss_of(model, runner, step):  # the tp ranks of one dp index see the same rows
+        return runner(batches[step].chunk(2)[dp_rank]).pow(2).mean()
+
+    run = _eager_and_compiled(build, loss_of, steps=2)
+    _train_reference(reference, lambda step: reference(batches[step]).pow(2).mean(), steps=2)
     return _twin_summary(run, reference)
 
 
 def test_fsdp_over_tensor_parallel_on_a_2d_mesh_trains_compiled_as_eagerly(dist):
     _assert_twin(dist.run(4, _fsdp_over_tp)[0])
+
+
+# --- activation checkpointing in its other two forms: checkpoint_wrapper, and checkpoint() calls -----
+
+
+class _CheckpointCallingLM(_CheckpointedLM):
+    """Each block called through torch.utils.checkpoint in the model's forward (Hugging Face's form)."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = checkpoint(layer, x, use_reentrant=False)
+        return self.output(x)
+
+
+def _checkpointed_twin(form: str):
+    """``wrapper``: checkpoint_wrapper on each block, then fully_shard on the wrapper (torchtitan's
+    order); ``calls``: checkpoint(block, x, use_reentrant=False) in the model's forward."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    torch.manual_seed(0)
+    reference = (_CheckpointCallingLM if form == "calls" else _CheckpointedLM)()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batches = [torch.randint(0, 16, (2 * world, 8), generator=torch.Generator().manual_seed(step)) for step in range(3)]
+
+    def build():
+        model = copy.deepcopy(reference)
+        if form == "wrapper":
+            for index, layer in enumerate(list(model.layers)):
+                model.layers[index] = checkpoint_wrapper(layer)
+        return shard_model(model, fully_shard)
+
+    run = _eager_and_compiled(build, lambda model, runner, step: runner(batches[step][2 * rank: 2 * rank + 2]).pow(2).mean(), steps=3)
+    _train_reference(reference, lambda step: sum(reference(batches[step][2 * r: 2 * r + 2]).pow(2).mean() for r in range(world)) / world, steps=3)
+    return _twin_summary(run, reference)
+
+
+@pytest.mark.parametrize("form", ["wrapper", "calls"])
+def test_activation_checkpointing_by_wrapper_and_by_calls_trains_compiled_as_eagerly(dist, form):
+    _assert_twin(dist.run(2, _checkpointed_twin, form)[0])
+
+
+# --- shared and tied parameters ---------------------------------------------------------------------
+
+
+class _SharingBlock(nn.Module):
+    """Two linears sharing one weight (their own biases): a parameter shared inside one FSDP group."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.first = nn.Linear(dim, dim)
+        self.second = nn.Linear(dim, dim)
+        self.second.weight = self.first.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.second(self.first(x).relu())
+
+
+class _TiedLM(nn.Module):
+    """The output head tied to the embedding, both in the root's group; blocks sharing a weight inside."""
+
+    def __init__(self, vocab: int = 16, dim: int = 8) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(_SharingBlock(dim) for _ in range(2))
+        self.output = nn.Linear(dim, vocab, bias=False)
+        self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.output(x)
+
+
+def _shared_and_tied_twin():
+    torch.manual_seed(0)
+    reference = _TiedLM()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batches = [torch.randint(0, 16, (2 * world, 8), generator=torch.Generator().manual_seed(step)) for step in range(3)]
+
+    def loss(model, tokens):
+        return nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.roll(-1, 1).flatten())
+
+    run = _eager_and_compiled(lambda: shard_model(copy.deepcopy(reference), fully_shard), lambda model, runner, step: loss(runner, batches[step][2 * rank: 2 * rank + 2]), steps=3)
+    _train_reference(reference, lambda step: sum(loss(reference, batches[step][2 * r: 2 * r + 2]) for r in range(world)) / world, steps=3)
+    result = _twin_summary(run, reference)
+    eager, compiled = run["models"]
+    result["still_tied"] = [m.output.weight is m.tok_embeddings.weight and m.layers[0].second.weight is m.layers[0].first.weight for m in (eager, compiled)]
+    return result
+
+
+def test_shared_and_tied_parameters_train_compiled_as_eagerly(dist):
+    result = dist.run(2, _shared_and_tied_twin)[0]
+    assert result["still_tied"] == [True, True], result
+    _assert_twin(result)
