@@ -179,9 +179,13 @@ def _gradient_accumulation(mode, reshard_after_forward, backend, hsdp=False, all
 # a 2x2 HSDP mesh with set_requires_gradient_sync (all) and set_requires_all_reduce (all, root_only,
 # some_mlps): _gradient_accumulation's hsdp, all_reduce_only; 15-20 s each on the shared 2-core
 # machine. The suite keeps the one that mixes synced and unsynced groups in one micro-batch, for its time.
-@pytest.mark.parametrize("mode, reshard_after_forward", [("some_mlps", True)])
-def test_gradient_accumulation_with_every_sync_pattern_trains_compiled_as_eagerly(dist, mode, reshard_after_forward):
-    result = dist.run(2, _gradient_accumulation, mode, reshard_after_forward, "fsdp_aot_eager")[0]
+@pytest.fixture(scope="module")
+def some_blocks_unsynced(dist):
+    return dist.run(2, _gradient_accumulation, "some_mlps", True, "fsdp_aot_eager")[0]
+
+
+def test_gradient_accumulation_with_every_sync_pattern_trains_compiled_as_eagerly(some_blocks_unsynced):
+    result = some_blocks_unsynced
     assert result["eager_vs_reference"] < 1e-5, result
     assert result["compiled_vs_reference"] < 1e-5, result
     assert max(result["compiled_vs_eager"].values()) == 0.0, result
@@ -201,9 +205,8 @@ def test_gradient_accumulation_with_every_sync_pattern_trains_compiled_as_eagerl
     "micro-batch's graph is dropped unread: one all-gather more per such micro-batch from the second step on "
     "(numerics equal).",
 )
-def test_gradient_accumulation_with_some_blocks_unsynced_issues_no_all_gather_it_does_not_read(dist):
-    result = dist.run(2, _gradient_accumulation, "some_mlps", True, "fsdp_aot_eager")[0]
-    gathers = [counts["all_gather"] for counts in result["compiled_collectives"]]
+def test_gradient_accumulation_with_some_blocks_unsynced_issues_no_all_gather_it_does_not_read(some_blocks_unsynced):
+    gathers = [counts["all_gather"] for counts in some_blocks_unsynced["compiled_collectives"]]
     # 4 steps of 3 micro-batches, the same graphs in each step: the same all-gathers in each step.
     assert gathers[3:] == gathers[:3] * 3, gathers
 
