@@ -705,7 +705,7 @@ class _TpModel(nn.Module):
         return x
 
 
-def _fsdp_over_tp():
+def _fsdp_over_tp(backend="fsdp_aot_eager"):
     """A 2x2 (dp, tp) mesh: test_tensor_parallel.py's feed-forward TP plan on each block, then
     fully_shard over mesh["dp"] (parameters on the sibling tp mesh), the root compiled."""
     from test_tensor_parallel import DIM
@@ -728,7 +728,7 @@ def _fsdp_over_tp():
     def loss_of(model, runner, step):  # the tp ranks of one dp index see the same rows
         return runner(batches[step].chunk(2)[dp_rank]).pow(2).mean()
 
-    run = _eager_and_compiled(build, loss_of, steps=2)
+    run = _eager_and_compiled(build, loss_of, steps=2, backend=backend)
     _train_reference(reference, lambda step: reference(batches[step]).pow(2).mean(), steps=2)
     return _twin_summary(run, reference)
 
@@ -752,7 +752,7 @@ class _CheckpointCallingLM(_CheckpointedLM):
         return self.output(x)
 
 
-def _checkpointed_twin(form: str):
+def _checkpointed_twin(form: str, backend: str = "fsdp_aot_eager"):
     """``wrapper``: checkpoint_wrapper on each block, then fully_shard on the wrapper (torchtitan's
     order); ``calls``: checkpoint(block, x, use_reentrant=False) in the model's forward."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -769,7 +769,7 @@ def _checkpointed_twin(form: str):
                 model.layers[index] = checkpoint_wrapper(layer)
         return shard_model(model, fully_shard)
 
-    run = _eager_and_compiled(build, lambda model, runner, step: runner(batches[step][2 * rank: 2 * rank + 2]).pow(2).mean(), steps=3)
+    run = _eager_and_compiled(build, lambda model, runner, step: runner(batches[step][2 * rank: 2 * rank + 2]).pow(2).mean(), steps=3, backend=backend)
     _train_reference(reference, lambda step: sum(reference(batches[step][2 * r: 2 * r + 2]).pow(2).mean() for r in range(world)) / world, steps=3)
     return _twin_summary(run, reference)
 
@@ -812,7 +812,7 @@ class _TiedLM(nn.Module):
         return self.output(x)
 
 
-def _shared_and_tied_twin():
+def _shared_and_tied_twin(backend="fsdp_aot_eager"):
     torch.manual_seed(0)
     reference = _TiedLM()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -821,7 +821,7 @@ def _shared_and_tied_twin():
     def loss(model, tokens):
         return nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.roll(-1, 1).flatten())
 
-    run = _eager_and_compiled(lambda: shard_model(copy.deepcopy(reference), fully_shard), lambda model, runner, step: loss(runner, batches[step][2 * rank: 2 * rank + 2]), steps=3)
+    run = _eager_and_compiled(lambda: shard_model(copy.deepcopy(reference), fully_shard), lambda model, runner, step: loss(runner, batches[step][2 * rank: 2 * rank + 2]), steps=3, backend=backend)
     _train_reference(reference, lambda step: sum(loss(reference, batches[step][2 * r: 2 * r + 2]) for r in range(world)) / world, steps=3)
     result = _twin_summary(run, reference)
     eager, compiled = run["models"]
