@@ -197,15 +197,11 @@ def test_gradient_accumulation_with_every_sync_pattern_trains_compiled_as_eagerl
         assert eager["all_gather"] - 1 <= compiled["all_gather"] <= eager["all_gather"], result
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fsdp_compile: in a micro-batch where some block frames do not sync, those frames' all-gathers are "
-    "not found by gather_in_frame (state.py: their shards are not the registered ones), so they neither take nor "
-    "issue prefetches across frames; the backward prefetch the next block issues for them from the last synced "
-    "micro-batch's graph is dropped unread: one all-gather more per such micro-batch from the second step on "
-    "(numerics equal).",
-)
 def test_gradient_accumulation_with_some_blocks_unsynced_issues_no_all_gather_it_does_not_read(some_blocks_unsynced):
+    """Before: block frames read without gradient sync copied in their shards' padded copies (a pad of
+    no rows, detached), by which gather_in_frame (state.py) did not find them: they took no prefetch across frames, and the backward
+    prefetch the next block issued for them (learned from the last synced micro-batch's graph) was
+    dropped unread, one all-gather more per such micro-batch from the second step on."""
     gathers = [counts["all_gather"] for counts in some_blocks_unsynced["compiled_collectives"]]
     # 4 steps of 3 micro-batches, the same graphs in each step: the same all-gathers in each step.
     assert gathers[3:] == gathers[:3] * 3, gathers
