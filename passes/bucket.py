@@ -225,6 +225,8 @@ def unpadded_shard(sent: fx.Node, padded_numel: int) -> fx.Node | None:
     node = sent
     if node.target in (torch.ops.prims.convert_element_type.default, _aten._to_copy.default):
         node = node.args[0]
+    if node.target is _aten.detach.default:  # a read without gradient sync gathers its padded shard detached
+        node = node.args[0]
     if node.target is _aten.constant_pad_nd.default and (len(node.args) < 3 or node.args[2] in (0, 0.0)):
         pads, padded = list(node.args[1]), node_value(node.args[0])
         # Only rows appended on dim 0: every pad before the last is zero (F.pad's pairs run from the last dim).

@@ -217,6 +217,13 @@ def deliver_frame_reductions_late(graph: fx.Graph) -> int:
             handed = new_node(graph, DELIVER_REDUCE_SCATTER_LATE, (reduce_scatter, reduce_scatter.args[0], sinks), annotation)
         for _, _, deliver in members:
             deliver.replace_all_uses_with(handed)
+        # What reads the deliveries' (zero) sink gradients, the bucket pass's sum of a tied
+        # parameter's reads' sink gradients, moves after the hand-over, in order.
+        late_readers = {handed}
+        for node in list(graph.nodes):
+            if node.op != "output" and node is not handed and any(arg in late_readers for arg in node.all_input_nodes):
+                late_readers.add(node)
+                output.prepend(node)
         for node in reversed(chain):  # met after what it reads: readers go first
             graph.erase_node(node)
         graph.erase_node(wait)

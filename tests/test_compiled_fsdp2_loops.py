@@ -3,6 +3,7 @@ and with the root compiled (fsdp_aot_eager: fsdp_inductor's trace, checks and pa
 equal to eager in fp32), compared with each other and with an unsharded reference."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 from typing import NamedTuple
@@ -137,11 +138,13 @@ def _set_sync(model: nn.Module, mode: str, is_last: bool, all_reduce_only: bool)
 
 
 def _gradient_accumulation(mode, reshard_after_forward, backend, hsdp=False, all_reduce_only=False):
+    from benchmarks.measure import count_collectives
+
     torch._dynamo.reset()
     torch.manual_seed(0)
     reference = nn.Sequential(nn.Linear(8, 8), *(_MLP() for _ in range(3)))  # the root holds the first linear
     rank, world = dist.get_rank(), dist.get_world_size()
-    results = []
+    results, collectives = [], []
     for compiled in (False, True):
         model = copy.deepcopy(reference)
         mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard")) if hsdp else None
@@ -150,15 +153,21 @@ def _gradient_accumulation(mode, reshard_after_forward, backend, hsdp=False, all
         fully_shard(model, reshard_after_forward=reshard_after_forward, mesh=mesh)
         runner = torch.compile(model, backend=backend) if compiled else model
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+        per_micro_batch = []  # collectives by kind, in each micro-batch's forward and backward, steps 1-3
         for step in range(4):
             for micro in range(3):
                 _set_sync(model, mode, micro == 2, all_reduce_only)
                 batch = torch.randn(2 * world, 8, generator=torch.Generator().manual_seed(10 * step + micro))
-                runner(batch[2 * rank: 2 * rank + 2]).sum().backward()
+                # Counted from the second step: the profiler around the first one's compiles costs seconds.
+                with count_collectives() if step else contextlib.nullcontext() as counts:
+                    runner(batch[2 * rank: 2 * rank + 2]).sum().backward()
+                if step:
+                    per_micro_batch.append({kind: n for kind, n in sorted(counts.items()) if n})
             optimizer.step()
             # Kept zero gradients on every other step: accumulation with and without a .grad to add to.
             optimizer.zero_grad(set_to_none=step % 2 == 1)
         results.append(model)
+        collectives.append(per_micro_batch)
     reference_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2)
     for step in range(4):
         for micro in range(3):
@@ -166,18 +175,40 @@ def _gradient_accumulation(mode, reshard_after_forward, backend, hsdp=False, all
             (reference(batch).sum() / world).backward()
         reference_optimizer.step()
         reference_optimizer.zero_grad(set_to_none=step % 2 == 1)
-    return _gaps(*results, reference)
+    return {**_gaps(*results, reference), "eager_collectives": collectives[0], "compiled_collectives": collectives[1]}
 
 
-# Every mode x reshard_after_forward passes (root_only, all; False), and on a 2x2 HSDP mesh with
-# set_requires_all_reduce too (_gradient_accumulation's hsdp, all_reduce_only): the suite keeps the
-# one that mixes synced and unsynced groups in one micro-batch, for its time.
-@pytest.mark.parametrize("mode, reshard_after_forward", [("some_mlps", True)])
-def test_gradient_accumulation_with_every_sync_pattern_trains_compiled_as_eagerly(dist, mode, reshard_after_forward):
-    result = dist.run(2, _gradient_accumulation, mode, reshard_after_forward, "fsdp_aot_eager")[0]
+# Every mode x reshard_after_forward passes bitwise (all, root_only, some_mlps; True, False), and on
+# a 2x2 HSDP mesh with set_requires_gradient_sync (all) and set_requires_all_reduce (all, root_only,
+# some_mlps): _gradient_accumulation's hsdp, all_reduce_only; 15-20 s each on the shared 2-core
+# machine. The suite keeps the one that mixes synced and unsynced groups in one micro-batch, for its time.
+@pytest.fixture(scope="module")
+def some_blocks_unsynced(dist):
+    return dist.run(2, _gradient_accumulation, "some_mlps", True, "fsdp_aot_eager")[0]
+
+
+def test_gradient_accumulation_with_every_sync_pattern_trains_compiled_as_eagerly(some_blocks_unsynced):
+    result = some_blocks_unsynced
     assert result["eager_vs_reference"] < 1e-5, result
     assert result["compiled_vs_reference"] < 1e-5, result
-    assert max(result["compiled_vs_eager"].values()) < 1e-6, result
+    assert max(result["compiled_vs_eager"].values()) == 0.0, result
+    # The same reductions in every micro-batch: no reduce-scatter where eager training skips one. The
+    # all-gathers may be fewer: eagerly the root (its first linear, reading the data) re-gathers for
+    # backward, which the compiled backward skips where it does not read the weight (set_unshard_in_backward's row).
+    for eager, compiled in zip(result["eager_collectives"], result["compiled_collectives"], strict=True):
+        assert {k: n for k, n in compiled.items() if k != "all_gather"} == {k: n for k, n in eager.items() if k != "all_gather"}, result
+        assert eager["all_gather"] - 1 <= compiled["all_gather"] <= eager["all_gather"], result
+
+
+def test_gradient_accumulation_with_some_blocks_unsynced_issues_no_all_gather_it_does_not_read(some_blocks_unsynced):
+    """Before: block frames read without gradient sync copied in their shards' padded copies (a pad of
+    no rows, detached), by which gather_in_frame (state.py) did not find them: they took no prefetch
+    across frames, and the backward prefetch the next block issued for them (learned from the last
+    synced micro-batch's graph) was dropped unread, one all-gather more per such micro-batch from the
+    second step on: [8, 8, 7] a step where eager training issues [8, 8, 8]."""
+    gathers = [counts["all_gather"] for counts in some_blocks_unsynced["compiled_collectives"]]
+    # Synced or not, a micro-batch gathers every group once forward, the resharded ones again backward.
+    assert len(set(gathers)) == 1 and len(gathers) == 9, gathers
 
 
 # --- partial forwards: a grouped head called on its own ---------------------------------------------
@@ -579,3 +610,231 @@ def test_two_compiled_models_trained_interleaved_each_train_as_alone(dist):
     result = dist.run(2, _two_models_interleaved)[0]
     assert result["together"] == result["alone"], result
     assert result["alone"][8] != result["alone"][12], result  # two models, not one twice
+
+
+# --- compiled twins of more training patterns (project issue 48) -----------------------------------
+# Each loop below trains one model eagerly and one with the root compiled by fsdp_aot_eager, through
+# the same steps: the compiled parameters equal eager's bitwise (fp32), the compiled steps issue the
+# same collectives as the eager ones (counted with the profiler, per step), no block runs eagerly
+# inside the compiled model, and both match an unsharded reference. Under fsdp_inductor (the
+# functions' backend argument) the 2-D, checkpoint_wrapper and shared-and-tied loops pass too, within
+# 2.4e-7 of eager with the same collectives (2026-11-27); left out of the suite for Inductor's compile time.
+
+
+def _eager_and_compiled(build, loss_of, steps: int, lr: float = 0.1, backend: str = "fsdp_aot_eager") -> dict:
+    """``build()``: a sharded model (a fresh copy of the same reference each call); ``loss_of(model,
+    runner, step)``: the step's loss (its backward and the optimizer step are run here). The two
+    trained models, each one's collectives per step from the second, and the fsdp_compile warnings of
+    the compiled run."""
+    import warnings
+
+    from benchmarks.measure import count_collectives
+
+    torch._dynamo.reset()
+    result: dict = {"models": [], "collectives": [], "warned": []}
+    for compiled in (False, True):
+        model = build()
+        runner = torch.compile(model, backend=backend) if compiled else model
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+        per_step = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(steps):
+                # Counted from the second step: the profiler around the first one's compile costs seconds.
+                with count_collectives() if step else contextlib.nullcontext() as counts:
+                    loss_of(model, runner, step).backward()
+                if step:
+                    per_step.append({kind: n for kind, n in sorted(counts.items()) if n})
+                optimizer.step()
+                optimizer.zero_grad()
+        result["models"].append(model)
+        result["collectives"].append(per_step)
+        if compiled:
+            result["warned"] = [str(w.message)[:200] for w in caught if "fsdp_compile" in str(w.message)]
+    torch._dynamo.reset()
+    return result
+
+
+def _train_reference(reference: nn.Module, loss_of, steps: int, lr: float = 0.1) -> None:
+    """``loss_of(step)``: the global batch's loss, the mean of the ranks' losses."""
+    optimizer = torch.optim.SGD(reference.parameters(), lr=lr)
+    for step in range(steps):
+        loss_of(step).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _twin_summary(run: dict, reference: nn.Module) -> dict:
+    eager, compiled = run["models"]
+    return {
+        **_gaps(eager, compiled, reference),
+        "eager_collectives": run["collectives"][0], "compiled_collectives": run["collectives"][1], "warned": run["warned"],
+    }
+
+
+def _assert_twin(result: dict, bitwise: bool = True) -> None:
+    assert result["eager_vs_reference"] < 1e-5, result
+    assert result["compiled_vs_reference"] < 1e-5, result
+    gap = max(result["compiled_vs_eager"].values())
+    assert (gap == 0.0) if bitwise else (gap < 1e-6), result
+    assert result["compiled_collectives"] == result["eager_collectives"] and result["eager_collectives"][0], result
+    assert result["warned"] == [], result
+
+
+# --- 2-D: FSDP over tensor parallelism -------------------------------------------------------------
+
+
+class _TpResidual(nn.Module):
+    def __init__(self) -> None:
+        from test_tensor_parallel import FeedForward
+
+        super().__init__()
+        self.feed_forward = FeedForward()  # w1, w3 colwise, w2 rowwise: HIDDEN=22 rows split unevenly
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.feed_forward(x)
+
+
+class _TpModel(nn.Module):
+    def __init__(self) -> None:
+        from test_tensor_parallel import DIM
+
+        super().__init__()
+        self.inp = nn.Linear(DIM, DIM)  # the root's, replicated over tp
+        self.layers = nn.ModuleList(_TpResidual() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _fsdp_over_tp(backend="fsdp_aot_eager"):
+    """A 2x2 (dp, tp) mesh: test_tensor_parallel.py's feed-forward TP plan on each block, then
+    fully_shard over mesh["dp"] (parameters on the sibling tp mesh), the root compiled."""
+    from test_tensor_parallel import DIM
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh.get_local_rank("dp")
+    torch.manual_seed(0)
+    reference = _TpModel()
+    batches = [torch.randn(4, DIM, generator=torch.Generator().manual_seed(step)) for step in range(2)]
+    plan = {"feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(), "feed_forward.w2": RowwiseParallel()}
+
+    def build():
+        model = copy.deepcopy(reference)
+        for layer in model.layers:
+            parallelize_module(layer, mesh["tp"], plan)
+            fully_shard(layer, mesh=mesh["dp"])
+        return fully_shard(model, mesh=mesh["dp"])
+
+    def loss_of(model, runner, step):  # the tp ranks of one dp index see the same rows
+        return runner(batches[step].chunk(2)[dp_rank]).pow(2).mean()
+
+    run = _eager_and_compiled(build, loss_of, steps=2, backend=backend)
+    _train_reference(reference, lambda step: reference(batches[step]).pow(2).mean(), steps=2)
+    return _twin_summary(run, reference)
+
+
+def test_fsdp_over_tensor_parallel_on_a_2d_mesh_trains_compiled_as_eagerly(dist):
+    _assert_twin(dist.run(4, _fsdp_over_tp)[0])
+
+
+# --- activation checkpointing in its other two forms: checkpoint_wrapper, and checkpoint() calls -----
+
+
+class _CheckpointCallingLM(_CheckpointedLM):
+    """Each block called through torch.utils.checkpoint in the model's forward (Hugging Face's form)."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = checkpoint(layer, x, use_reentrant=False)
+        return self.output(x)
+
+
+def _checkpointed_twin(form: str, backend: str = "fsdp_aot_eager"):
+    """``wrapper``: checkpoint_wrapper on each block, then fully_shard on the wrapper (torchtitan's
+    order); ``calls``: checkpoint(block, x, use_reentrant=False) in the model's forward."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    torch.manual_seed(0)
+    reference = (_CheckpointCallingLM if form == "calls" else _CheckpointedLM)()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batches = [torch.randint(0, 16, (2 * world, 8), generator=torch.Generator().manual_seed(step)) for step in range(3)]
+
+    def build():
+        model = copy.deepcopy(reference)
+        if form == "wrapper":
+            for index, layer in enumerate(list(model.layers)):
+                model.layers[index] = checkpoint_wrapper(layer)
+        return shard_model(model, fully_shard)
+
+    run = _eager_and_compiled(build, lambda model, runner, step: runner(batches[step][2 * rank: 2 * rank + 2]).pow(2).mean(), steps=3, backend=backend)
+    _train_reference(reference, lambda step: sum(reference(batches[step][2 * r: 2 * r + 2]).pow(2).mean() for r in range(world)) / world, steps=3)
+    return _twin_summary(run, reference)
+
+
+@pytest.mark.parametrize("form", ["wrapper", "calls"])
+def test_activation_checkpointing_by_wrapper_and_by_calls_trains_compiled_as_eagerly(dist, form):
+    _assert_twin(dist.run(2, _checkpointed_twin, form)[0])
+
+
+# --- shared and tied parameters ---------------------------------------------------------------------
+
+
+class _SharingBlock(nn.Module):
+    """Two linears sharing one weight (their own biases): a parameter shared inside one FSDP group."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.first = nn.Linear(dim, dim)
+        self.second = nn.Linear(dim, dim)
+        self.second.weight = self.first.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.second(self.first(x).relu())
+
+
+class _TiedLM(nn.Module):
+    """The output head tied to the embedding, both in the root's group; blocks sharing a weight inside."""
+
+    def __init__(self, vocab: int = 16, dim: int = 8) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(_SharingBlock(dim) for _ in range(2))
+        self.output = nn.Linear(dim, vocab, bias=False)
+        self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.output(x)
+
+
+def _shared_and_tied_twin(backend="fsdp_aot_eager"):
+    torch.manual_seed(0)
+    reference = _TiedLM()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batches = [torch.randint(0, 16, (2 * world, 8), generator=torch.Generator().manual_seed(step)) for step in range(3)]
+
+    def loss(model, tokens):
+        return nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.roll(-1, 1).flatten())
+
+    run = _eager_and_compiled(lambda: shard_model(copy.deepcopy(reference), fully_shard), lambda model, runner, step: loss(runner, batches[step][2 * rank: 2 * rank + 2]), steps=3, backend=backend)
+    _train_reference(reference, lambda step: sum(loss(reference, batches[step][2 * r: 2 * r + 2]) for r in range(world)) / world, steps=3)
+    result = _twin_summary(run, reference)
+    eager, compiled = run["models"]
+    result["still_tied"] = [m.output.weight is m.tok_embeddings.weight and m.layers[0].second.weight is m.layers[0].first.weight for m in (eager, compiled)]
+    return result
+
+
+def test_shared_and_tied_parameters_train_compiled_as_eagerly(dist):
+    result = dist.run(2, _shared_and_tied_twin)[0]
+    assert result["still_tied"] == [True, True], result
+    _assert_twin(result)
