@@ -117,7 +117,8 @@ def _section(cfg: BenchConfig, runs: dict[int, dict[str, dict]]) -> tuple[str, s
         f"## {meta['machine']}, world size {meta['world_size']}, compile time against depth\n\n"
         f"Command: `{cfg.command}`" + (f" (not yet run: {', '.join(map(str, missing))} layers)" if missing else "") + "  \n"
         f"torch {meta['torch']}, Python {meta['python']}, {meta['date'][:10]}, commit {meta['commit']}.  \n"
-        f"Model: dim {cfg.dim}, {cfg.heads} heads, vocab {cfg.vocab}, seq {cfg.seq}, batch {cfg.batch} per rank, "
+        f"Model: {'Hugging Face-shaped Llama (benchmarks/hf_llama.py), ' + str(cfg.key_value_heads) + ' key-value heads, ' if cfg.model == 'hf-llama' else ''}"
+        f"dim {cfg.dim}, {cfg.heads} heads, vocab {cfg.vocab}, seq {cfg.seq}, batch {cfg.batch} per rank, "
         f"{'bf16 params / fp32 reduce' if cfg.bf16 else 'fp32'}, {cfg.warmup} warm-up + {cfg.steps} measured steps.\n\n"
         f"{scaling_table(cfg.modes, runs)}\n\n" + ("\n".join(targets) + "\n\n" if targets else "")
         + (__doc__ or "").split("\n\n", 1)[1].strip() + "\n"
