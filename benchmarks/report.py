@@ -341,8 +341,8 @@ def publish(cfg: BenchConfig, results: dict, world: int, device: torch.device) -
     section = _section(meta, table, summary, overhead)
     os.makedirs(cfg.out_dir, exist_ok=True)
     with open(os.path.join(cfg.out_dir, "results.json"), "w") as out:
-        json.dump({"meta": meta, "modes": summary, "profiles": results.get("profiles", {}), "errors": results["errors"]},
-                  out, indent=1)
+        json.dump({"meta": meta, "modes": summary, "profiles": results.get("profiles", {}),
+                   "compile_stages": results.get("compile_stages", {}), "errors": results["errors"]}, out, indent=1)
     with open(os.path.join(cfg.out_dir, "results.md"), "w") as out:
         out.write(section)
     wrote_png = _plot(os.path.join(cfg.out_dir, "results.png"), cfg, summary)

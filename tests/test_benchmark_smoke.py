@@ -281,3 +281,20 @@ def test_hf_llama_layers_take_keyword_arguments_and_return_tuples():
         assert isinstance(out, tuple) and out[0].shape == (2, 16, 32)
     attention = blocks(model)[0].self_attn
     assert attention.k_proj.out_features == attention.q_proj.out_features // 2  # --kv-heads 2 of --heads 4
+
+
+def test_compile_stages_table_lists_each_modes_cold_and_warm_stages_longest_first():
+    """--compile-scaling's per-stage table (torch._dynamo.utils.compile_times() of each mode's own
+    processes), from made-up figures: one column per mode and phase that ran, stages by their largest
+    figure, a dash where a process never entered a stage."""
+    from benchmarks.scaling import stages_table
+
+    stages = {
+        "ours-compiled": {"cold": {"_compile.compile_inner": [4, 12.0], "compile_fx_inner": [8, 6.5]},
+                          "warm": {"_compile.compile_inner": [4, 3.0]}},
+        "torch-blockcompile": {"cold": {"_compile.compile_inner": [1, 7.0], "compile_fx_inner": [2, 5.0]}, "warm": {}},
+    }
+    lines = stages_table(("ours-compiled", "torch-blockcompile"), {}, stages).splitlines()
+    assert lines[0] == "| stage | ours-compiled cold | ours-compiled warm | torch-blockcompile cold |"
+    assert lines[2] == "| `_compile.compile_inner` | 12.00 (4) | 3.00 (4) | 7.00 (1) |"
+    assert lines[3] == "| `compile_fx_inner` | 6.50 (8) | — | 5.00 (2) |"
