@@ -9,10 +9,17 @@ import os
 import sys
 from dataclasses import dataclass
 
+from benchmarks.hf_llama import HFLlamaConfig
 from benchmarks.modes import COMM_POLICY_MODES
 from fsdp_compile.models import TransformerConfig
 
-__all__ = ["MODES", "PASS_ABLATION_MODES", "SCALING_MODES", "SCALING_LAYERS", "BenchConfig", "parse_args"]
+__all__ = ["MODES", "MODELS", "PASS_ABLATION_MODES", "SCALING_MODES", "SCALING_LAYERS", "BenchConfig", "parse_args"]
+
+# --model: the benchmark's own Llama-style decoder (fsdp_compile/models.py: blocks called as
+# block(x, cos, sin), a tensor back) or one shaped like Hugging Face's LlamaForCausalLM
+# (benchmarks/hf_llama.py: keyword arguments, a (cos, sin) tuple and a mask into every block, a
+# tuple back, grouped-query attention).
+MODELS = ("transformer", "hf-llama")
 
 # Table order. torch-eager is the baseline of the speed ratio; ours-eager of the loss agreement.
 MODES = ("ours-eager", "ours-compiled", "ours-fallback", "torch-eager", "torch-blockcompile")
@@ -44,6 +51,8 @@ class BenchConfig:
     batch: int = 4
     untied: bool = False
     bf16: bool = False
+    model: str = "transformer"  # one of MODELS
+    kv_heads: int | None = None  # hf-llama's key-value heads; None: heads // 2 (grouped-query attention)
     tp: int = 1  # tensor-parallel ways: a (world / tp, tp) = (dp, tp) mesh, torchtitan's TP plan per block
     steps: int = 15
     warmup: int = 2
@@ -61,12 +70,23 @@ class BenchConfig:
     results_md: str | None = None
     command: str = ""
 
-    def model_config(self, layers: int | None = None) -> TransformerConfig:
+    def model_config(self, layers: int | None = None) -> TransformerConfig | HFLlamaConfig:
         """The model; ``layers`` overrides --layers (the shallow twins of --shallow-layers)."""
+        if self.model == "hf-llama":
+            return HFLlamaConfig(
+                vocab_size=self.vocab, hidden_size=self.dim, num_hidden_layers=self.layers if layers is None else layers,
+                num_attention_heads=self.heads, num_key_value_heads=self.key_value_heads,
+                max_position_embeddings=self.seq, tie_word_embeddings=not self.untied,
+            )
         return TransformerConfig(
             vocab_size=self.vocab, dim=self.dim, n_layers=self.layers if layers is None else layers, n_heads=self.heads,
             max_seq_len=self.seq, tie_embeddings=not self.untied,
         )
+
+    @property
+    def key_value_heads(self) -> int:
+        """hf-llama's key-value heads (--kv-heads, else half the heads: grouped-query attention)."""
+        return self.kv_heads if self.kv_heads is not None else max(1, self.heads // 2)
 
     @property
     def total_steps(self) -> int:
@@ -120,6 +140,16 @@ columns:
   compile warm s      the same for a second model after torch._dynamo.reset() (its cache warm)
   loss rel diff       max over all steps of |loss - loss(ours-eager)| / |loss(ours-eager)|
 
+models (--model):
+  transformer         the benchmark's own Llama-style decoder (fsdp_compile/models.py): blocks called
+                      positionally as block(x, cos, sin), returning a tensor
+  hf-llama            a Llama shaped like Hugging Face's LlamaForCausalLM (benchmarks/hf_llama.py):
+                      decoder layers called with keyword arguments (hidden_states=, attention_mask=
+                      a 4-D causal mask, position_ids=, cache_position=, position_embeddings=(cos, sin)
+                      computed once in the root), each returning a tuple; grouped-query attention
+                      (--kv-heads, default --heads / 2, repeat_kv), RMSNorm, rotate_half rotary,
+                      F.scaled_dot_product_attention, SiLU-gated MLP, lm head
+
 with --shallow-layers N (in --overhead), a second table per mode (benchmarks/overhead.py):
   host ms per block   (median step at --layers - median step at N layers) / (--layers - N), both depths
                       run interleaved in one process; (p10-p90) of a bootstrap over the steps
@@ -134,6 +164,7 @@ examples:
   python -m benchmarks --pass-ablation                   # + ours-compiled with passes off
   python -m benchmarks --comm-policy                     # + ours with int8 all-gathers / a bf16 gradient wire
   python -m benchmarks --overhead --profile-step --results-md benchmarks/RESULTS.md   # host ms per step and block
+  python -m benchmarks --overhead --model hf-llama --profile-step --results-md benchmarks/RESULTS.md
   python -m benchmarks --compile-scaling --results-md benchmarks/RESULTS.md   # compile s at 2-32 layers
   torchrun --nproc-per-node 8 -m benchmarks --dim 2048 --layers 16 --bf16
 """
@@ -193,6 +224,11 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     add("--vocab", type=int, default=d.vocab, help=f"vocabulary size (default {d.vocab})")
     add("--seq", type=int, default=d.seq, help=f"sequence length (default {d.seq})")
     add("--batch", type=int, default=d.batch, help=f"sequences per rank per step (default {d.batch})")
+    add("--model", choices=MODELS, default=d.model,
+        help="transformer: the benchmark's own decoder (default); hf-llama: a Llama shaped like Hugging Face's "
+        "LlamaForCausalLM (keyword arguments, tuples and a mask into and out of every block, grouped-query attention)")
+    add("--kv-heads", type=int, default=None, metavar="N",
+        help="hf-llama: key-value heads of the grouped-query attention (default: --heads / 2)")
     add("--untied", action="store_true", help="separate output head (default: head tied to the embedding)")
     add("--tp", type=int, default=d.tp,
         help="tensor-parallel ways (default 1: none): blocks get torchtitan's TP plan on the 'tp' dim of a "
@@ -241,6 +277,14 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         parser.error("--steps and --warmup must be at least 1 (warm-up holds compilation and lazy init)")
     if args.tp < 1 or args.world_size % args.tp or args.heads % args.tp:
         parser.error(f"--tp {args.tp} must divide --world-size {args.world_size} and --heads {args.heads}")
+    if args.kv_heads is not None and args.model != "hf-llama":
+        parser.error("--kv-heads applies to --model hf-llama only")
+    if args.model == "hf-llama":
+        kv_heads = args.kv_heads if args.kv_heads is not None else max(1, args.heads // 2)
+        if kv_heads < 1 or args.heads % kv_heads:
+            parser.error(f"--kv-heads {kv_heads} must divide --heads {args.heads}")
+        if args.tp > 1 and kv_heads % args.tp:
+            parser.error(f"--tp {args.tp} must divide the key-value heads ({kv_heads})")
     if args.dim % args.heads or (args.dim // args.heads) % 2:
         parser.error(f"--dim {args.dim} must split into --heads {args.heads} heads of even size (rotary embedding)")
     launcher = "torchrun ... -m benchmarks" if "TORCHELASTIC_RUN_ID" in os.environ else "python -m benchmarks"

@@ -15,9 +15,10 @@ import torch.nn as nn
 import fsdp_compile
 from fsdp_compile.backend import fsdp_inductor_with
 from fsdp_compile.config import PassConfig
+from benchmarks import hf_llama
 from fsdp_compile.models import Transformer, TransformerConfig
 
-__all__ = ["Mode", "build_mode", "COMPILED", "COMM_POLICY_MODES"]
+__all__ = ["Mode", "build_mode", "build_model", "blocks", "COMPILED", "COMM_POLICY_MODES"]
 
 # Ours with a CommPolicy (fsdp_compile.CommPolicy): what goes on the wire, eager and compiled.
 _COMM_POLICIES = {
@@ -63,6 +64,18 @@ def _torch_policy(bf16: bool):
     return MixedPrecisionPolicy()
 
 
+def build_model(config: TransformerConfig | hf_llama.HFLlamaConfig) -> nn.Module:
+    """The model of ``config``: the benchmark's own Transformer, or the Hugging Face-shaped Llama."""
+    if isinstance(config, hf_llama.HFLlamaConfig):
+        return hf_llama.LlamaForCausalLM(config)
+    return Transformer(config)
+
+
+def blocks(model: nn.Module) -> nn.ModuleList:
+    """The blocks each mode shards (then the root) and compiles: ``layers``, or HF's ``model.layers``."""
+    return model.model.layers if isinstance(model, hf_llama.LlamaForCausalLM) else model.layers
+
+
 # torchtitan's Llama plan: colwise q/k/v and gate/up, rowwise o and down.
 _TP_PLAN = {
     "attention.wq": "colwise", "attention.wk": "colwise", "attention.wv": "colwise", "attention.wo": "rowwise",
@@ -71,7 +84,7 @@ _TP_PLAN = {
 _tp_meshes: dict[tuple[str, int], object] = {}
 
 
-def _tensor_parallel(model: Transformer, device: torch.device, tp: int):
+def _tensor_parallel(model: nn.Module, device: torch.device, tp: int):
     """Apply the TP plan to every block on the 'tp' dim of a (dp, tp) mesh; the 'dp' mesh fully_shard takes."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -82,13 +95,14 @@ def _tensor_parallel(model: Transformer, device: torch.device, tp: int):
         _tp_meshes[key] = init_device_mesh(device.type, (dist.get_world_size() // tp, tp), mesh_dim_names=("dp", "tp"))
     mesh = _tp_meshes[key]
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    for block in model.layers:
-        parallelize_module(block, mesh["tp"], {name: styles[style]() for name, style in _TP_PLAN.items()})
+    plan = hf_llama.TP_PLAN if isinstance(model, hf_llama.LlamaForCausalLM) else _TP_PLAN
+    for block in blocks(model):
+        parallelize_module(block, mesh["tp"], {name: styles[style]() for name, style in plan.items()})
     return mesh["dp"]
 
 
-def _shard(model: Transformer, fully_shard, policy, **kwargs) -> Transformer:
-    for block in model.layers:
+def _shard(model: nn.Module, fully_shard, policy, **kwargs) -> nn.Module:
+    for block in blocks(model):
         fully_shard(block, mp_policy=policy, **kwargs)
     fully_shard(model, mp_policy=policy, **kwargs)
     return model
@@ -109,7 +123,7 @@ def _config_switch(name: str, value: bool = True) -> Callable[[], ContextManager
     return switched
 
 
-def build_mode(name: str, config: TransformerConfig, device: torch.device, seed: int, lr: float, bf16: bool, tp: int = 1) -> Mode:
+def build_mode(name: str, config: TransformerConfig | hf_llama.HFLlamaConfig, device: torch.device, seed: int, lr: float, bf16: bool, tp: int = 1) -> Mode:
     """One mode's model (same initial weights for every mode) and its AdamW.
 
     Example::
@@ -117,7 +131,7 @@ def build_mode(name: str, config: TransformerConfig, device: torch.device, seed:
         mode = build_mode("torch-eager", TransformerConfig(), torch.device("cpu"), seed=0, lr=1e-3, bf16=False)
     """
     torch.manual_seed(seed)
-    model = Transformer(config).to(device)  # initialized on CPU: the same weights on every device kind
+    model = build_model(config).to(device)  # initialized on CPU: the same weights on every device kind
     step_context: Callable[[], ContextManager] = contextlib.nullcontext
     runnable: nn.Module = model
     mesh = {"mesh": _tensor_parallel(model, device, tp)} if tp > 1 else {}
@@ -137,7 +151,7 @@ def build_mode(name: str, config: TransformerConfig, device: torch.device, seed:
         elif name == "ours-blockcompile":
             # torchtitan's per-block recipe on ours: each block's forward compiled alone, the eager
             # hooks around it (FSDPModule.compile); identical blocks share one graph.
-            for block in model.layers:
+            for block in blocks(model):
                 block.compile(backend="fsdp_inductor")
         elif name == "ours-fallback":
             # The FSDP hooks run eagerly between compiled regions; the flag is on only during this mode's steps.
@@ -149,8 +163,9 @@ def build_mode(name: str, config: TransformerConfig, device: torch.device, seed:
         if name == "torch-blockcompile":
             # torchtitan's apply_compile: compile each block (fullgraph) before fully_shard, so FSDP2's
             # hooks sit on the compiled module and run eagerly around each block's graph.
-            for index, block in model.layers.named_children():
-                model.layers.register_module(index, torch.compile(block, fullgraph=True))
+            layers = blocks(model)
+            for index, block in layers.named_children():
+                layers.register_module(index, torch.compile(block, fullgraph=True))
         _shard(model, torch_fully_shard, _torch_policy(bf16), **mesh)
         if name == "torch-compiled":
             # torch.compile on the whole FSDP2 model. FSDP2's hooks are torch.compiler.disable'd:

@@ -167,9 +167,9 @@ def git_commit() -> str:
 
 def _meta(cfg: BenchConfig, results: dict, world: int, device: torch.device) -> dict:
     with torch.device("meta"):
-        from fsdp_compile.models import Transformer
+        from benchmarks.modes import build_model
 
-        parameters = sum(p.numel() for p in Transformer(cfg.model_config()).parameters())
+        parameters = sum(p.numel() for p in build_model(cfg.model_config()).parameters())
     if device.type == "cuda":
         machine = f"{torch.cuda.get_device_name(device)}, NCCL"
     else:
@@ -189,6 +189,7 @@ def _meta(cfg: BenchConfig, results: dict, world: int, device: torch.device) -> 
         "load_average": results.get("load_average"),
         "config": {k: v for k, v in cfg.__dict__.items() if k != "command"},
         "section_key": f"{device.type}-{'nccl' if device.type == 'cuda' else 'gloo'}-world{world}"
+        + ("-hf-llama" if cfg.model == "hf-llama" else "")
         + (f"-tp{cfg.tp}" if cfg.tp > 1 else "")
         + ("-comm-policy" if set(cfg.modes) & set(COMM_POLICY_MODES) else "")
         + ("-overhead" if cfg.overhead else ""),
@@ -248,6 +249,8 @@ def _section_topic(key: str) -> str:
         topics.append(f"FSDP + TP ({key.split('-tp')[1].split('-')[0]}-way)")
     if "-comm-policy" in key:
         topics.append("CommPolicy modes")
+    if "-hf-llama" in key:
+        topics.append("Hugging Face-shaped Llama")
     if key.endswith("-overhead"):
         topics.append("host overhead (tiny model, compute ~0)")
     return "".join(f", {topic}" for topic in topics)
@@ -256,7 +259,11 @@ def _section_topic(key: str) -> str:
 def _model_text(config: dict) -> str:
     head = "untied head" if config["untied"] else "tied head"
     precision = "bf16 params / fp32 reduce" if config["bf16"] else "fp32"
-    return (f"dim {config['dim']}, {config['layers']} layers, {config['heads']} heads, vocab {config['vocab']}, "
+    model = ""
+    if config.get("model") == "hf-llama":
+        kv_heads = config["kv_heads"] if config.get("kv_heads") is not None else max(1, config["heads"] // 2)
+        model = f"Hugging Face-shaped Llama (benchmarks/hf_llama.py, {kv_heads} key-value heads), "
+    return (model + f"dim {config['dim']}, {config['layers']} layers, {config['heads']} heads, vocab {config['vocab']}, "
             f"seq {config['seq']}, batch {config['batch']} per rank, {head}, {precision}, "
             + (f"tensor parallel {config['tp']} ways (torchtitan's plan; batch per dp rank), " if config.get("tp", 1) > 1 else "")
             + f"{config['warmup']} warm-up + {config['steps']} measured steps")
@@ -334,8 +341,8 @@ def publish(cfg: BenchConfig, results: dict, world: int, device: torch.device) -
     section = _section(meta, table, summary, overhead)
     os.makedirs(cfg.out_dir, exist_ok=True)
     with open(os.path.join(cfg.out_dir, "results.json"), "w") as out:
-        json.dump({"meta": meta, "modes": summary, "profiles": results.get("profiles", {}), "errors": results["errors"]},
-                  out, indent=1)
+        json.dump({"meta": meta, "modes": summary, "profiles": results.get("profiles", {}),
+                   "compile_stages": results.get("compile_stages", {}), "errors": results["errors"]}, out, indent=1)
     with open(os.path.join(cfg.out_dir, "results.md"), "w") as out:
         out.write(section)
     wrote_png = _plot(os.path.join(cfg.out_dir, "results.png"), cfg, summary)

@@ -186,6 +186,7 @@ def _run(cfg: BenchConfig, rank: int, world: int, device: torch.device, cache: s
                 times[name].append(seconds)
                 losses[name].append(loss)
             progress.advance(f"{name} {phase} {step + 1}/{cfg.total_steps}")
+    compile_stages = _compile_stages()  # the warm-up steps' compiles (probes and profiles compile nothing)
     for name in cfg.modes:
         if status[name] is None:
             probes[name] = _probe_all_ranks(modes[name], batches[cfg.total_steps], device, agree, errors)
@@ -210,8 +211,18 @@ def _run(cfg: BenchConfig, rank: int, world: int, device: torch.device, cache: s
         "inductor_startup_s": startup, "status": {name: status[name] for name in cfg.modes}, "times": times,
         "losses": losses, "probes": probes, "warm": warm, "errors": errors if rank == 0 else {},
         "shallow": {name: {"status": status[key], "times": times[key]} for key, name in twins.items()},
-        "profiles": profiles, "load_average": (load_at_start, _load_average()),
+        "profiles": profiles, "load_average": (load_at_start, _load_average()), "compile_stages": compile_stages,
     }
+
+
+def _compile_stages() -> dict[str, list[float]]:
+    """``torch._dynamo.utils.compile_times()`` of this process as {stage: [calls, seconds]}: every
+    ``dynamo_timed`` stage of the compiles since the reset in ``_inductor_startup`` (Dynamo's tracing,
+    AOTAutograd, Inductor's code generation, ...; nested: a stage's seconds include the stages it
+    calls). All modes' compiles together: per mode where one mode runs (``--compile-scaling``)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return {stage: [len(seconds), sum(seconds)] for stage, seconds in compilation_time_metrics.items()}
 
 
 def _load_average() -> float | None:

@@ -48,6 +48,7 @@ def _runs_of_one_depth(cfg: BenchConfig, layers: int, device_type: str) -> dict[
                 result = _one_run(cfg, layers, mode, phase, cache_dir, device_type)
                 merged = by_phase.setdefault(phase, {**result, "modes": {}})
                 merged["modes"].update(result["modes"])
+                by_phase.setdefault("stages", {}).setdefault(mode, {})[phase] = result.get("compile_stages", {})
         finally:
             shutil.rmtree(cache_dir, ignore_errors=True)
     return by_phase
@@ -73,6 +74,43 @@ def scaling_table(modes: tuple[str, ...], runs: dict[int, dict[str, dict]]) -> s
                 f"| {_fmt(_figure(warm, mode, 'compile_cold_s'), '.1f')} | {_fmt(_figure(cold, mode, 'step_ms_median'), '.0f')} |"
             )
     return "\n".join(lines)
+
+
+STAGES_TOP = 15
+
+
+def stages_table(modes: tuple[str, ...], by_phase: dict[str, dict], per_mode: dict[str, dict[str, dict]]) -> str:
+    """Markdown: torch._dynamo.utils.compile_times() of each mode's cold and warm process at one depth,
+    the STAGES_TOP stages that took longest in any of them, as seconds (calls)."""
+    columns = [(mode, phase) for mode in modes for phase in PHASES if per_mode.get(mode, {}).get(phase)]
+    if not columns:
+        return ""
+    stages: dict[str, float] = {}
+    for mode, phase in columns:
+        for stage, (_, seconds) in per_mode[mode][phase].items():
+            stages[stage] = max(stages.get(stage, 0.0), seconds)
+    top = sorted(stages, key=stages.get, reverse=True)[:STAGES_TOP]
+    lines = ["| stage | " + " | ".join(f"{mode} {phase}" for mode, phase in columns) + " |",
+             "|---|" + "---|" * len(columns)]
+    for stage in top:
+        cells = []
+        for mode, phase in columns:
+            calls, seconds = per_mode[mode][phase].get(stage, (0, 0.0))
+            cells.append(f"{seconds:.2f} ({calls})" if calls else "—")
+        lines.append(f"| `{stage}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _stages_text(cfg: BenchConfig, runs: dict[int, dict[str, dict]]) -> str:
+    parts = []
+    for layers, by_phase in runs.items():
+        table = stages_table(cfg.modes, by_phase, by_phase.get("stages", {}))
+        if table:
+            parts.append(f"Compile stages at {layers} layers, rank 0, seconds (calls) from "
+                         f"`torch._dynamo.utils.compile_times()` in each mode's own process, cold and warm "
+                         f"(nested: a stage includes the stages it calls; the top {STAGES_TOP} by their "
+                         f"largest figure):\n\n{table}\n")
+    return "\n".join(parts)
 
 
 def _ratio(numerator: float | None, denominator: float | None) -> str:
@@ -117,9 +155,11 @@ def _section(cfg: BenchConfig, runs: dict[int, dict[str, dict]]) -> tuple[str, s
         f"## {meta['machine']}, world size {meta['world_size']}, compile time against depth\n\n"
         f"Command: `{cfg.command}`" + (f" (not yet run: {', '.join(map(str, missing))} layers)" if missing else "") + "  \n"
         f"torch {meta['torch']}, Python {meta['python']}, {meta['date'][:10]}, commit {meta['commit']}.  \n"
-        f"Model: dim {cfg.dim}, {cfg.heads} heads, vocab {cfg.vocab}, seq {cfg.seq}, batch {cfg.batch} per rank, "
+        f"Model: {'Hugging Face-shaped Llama (benchmarks/hf_llama.py), ' + str(cfg.key_value_heads) + ' key-value heads, ' if cfg.model == 'hf-llama' else ''}"
+        f"dim {cfg.dim}, {cfg.heads} heads, vocab {cfg.vocab}, seq {cfg.seq}, batch {cfg.batch} per rank, "
         f"{'bf16 params / fp32 reduce' if cfg.bf16 else 'fp32'}, {cfg.warmup} warm-up + {cfg.steps} measured steps.\n\n"
         f"{scaling_table(cfg.modes, runs)}\n\n" + ("\n".join(targets) + "\n\n" if targets else "")
+        + (_stages_text(cfg, runs) + "\n" if _stages_text(cfg, runs) else "")
         + (__doc__ or "").split("\n\n", 1)[1].strip() + "\n"
         f"<!-- end benchmark section: {key} -->\n"
     )
@@ -136,6 +176,7 @@ def run_compile_scaling(cfg: BenchConfig, device_type: str) -> None:
     for layers in cfg.compile_scaling or ():
         runs[layers] = _runs_of_one_depth(cfg, layers, device_type)
         print(f"\n{scaling_table(cfg.modes, {layers: runs[layers]})}\n", flush=True)
+        print(_stages_text(cfg, {layers: runs[layers]}), flush=True)
         key, section = _section(cfg, runs)
         with open(os.path.join(cfg.out_dir, "compile_scaling.md"), "w") as out:
             out.write(section)

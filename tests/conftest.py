@@ -319,6 +319,7 @@ def fake_world(request):
 # holds the run, the module's function that starts it and returns (process, out dir, scratch folder)).
 _BACKGROUND_RUNS = (
     ("test_benchmark_smoke", "run", "benchmark_smoke_run", "start_benchmark_run"),
+    ("test_benchmark_smoke", "hf_llama_run", "benchmark_hf_llama_run", "start_hf_llama_run"),  # --model hf-llama
     ("test_gpu_check", "dry_run", "gpu_dry_run", "start_dry_run"),  # python -m benchmarks.gpu --dry-run
 )
 

@@ -206,3 +206,95 @@ def test_host_ms_per_block_is_the_slope_between_depths_not_step_time_over_layers
     figures = per_block_figures([0.042, 0.041, 0.043], [0.018, 0.017, 0.019], deep_layers=16, shallow_layers=4)
     assert figures["block_ms"] == pytest.approx(2.0) and figures["fixed_ms"] == pytest.approx(10.0)
     assert figures["block_ms_p10"] <= figures["block_ms"] <= figures["block_ms_p90"]
+
+
+# ---- --model hf-llama: a Llama shaped like Hugging Face's (benchmarks/hf_llama.py) -------------------
+
+HF_LLAMA_MODES = ("ours-eager", "torch-eager", "ours-compiled")
+HF_LLAMA_TINY = ["--model", "hf-llama", "--dim", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--vocab", "64",
+                 "--seq", "16", "--batch", "2", "--steps", "2", "--warmup", "1", "--threads", "1"]
+
+
+def start_hf_llama_run() -> tuple[subprocess.Popen, pathlib.Path, pathlib.Path]:
+    """``python -m benchmarks --model hf-llama`` at world size 1, ours-eager, torch-eager and ours-compiled,
+    started in the background at collection like ``start_benchmark_run`` (conftest's _BACKGROUND_RUNS)."""
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix="fsdp_compile_bench_hf_llama_"))
+    out_dir = scratch / "bench_out"
+    command = [sys.executable, "-m", "benchmarks", "--modes", ",".join(HF_LLAMA_MODES), *HF_LLAMA_TINY,
+               "--no-warm-compile", "--reuse-inductor-cache", "--world-size", "1", "--device", "cpu", "--out-dir", str(out_dir)]
+    # The suite's scalar C++ (conftest's SCALAR_INDUCTOR_ENV, inherited): the run above already trains
+    # the user's vectorized code, and this one is about the model's calling convention.
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(scratch / "inductor_cache")}
+    with open(scratch / "stdout", "w") as stdout, open(scratch / "stderr", "w") as stderr:
+        process = subprocess.Popen(command, cwd=REPO_DIR, env=env, stdout=stdout, stderr=stderr, text=True)
+    return process, out_dir, scratch
+
+
+@pytest.fixture(scope="module")
+def hf_llama_run(request):
+    started = getattr(request.config, "benchmark_hf_llama_run", None) or start_hf_llama_run()
+    yield wait_for_background_run(started, "benchmark --model hf-llama")
+    shutil.rmtree(started[2], ignore_errors=True)
+
+
+def test_hf_llama_trains_in_ours_and_fsdp2s_modes_with_the_same_losses(hf_llama_run):
+    """Ours eager and compiled (block frames) and FSDP2 eager all train the Hugging Face-shaped Llama
+    (keyword arguments, a (cos, sin) tuple and a mask into every layer, a tuple out, grouped-query
+    attention) from the same weights and data, to the same losses."""
+    stdout, out_dir = hf_llama_run
+    data = json.loads((out_dir / "results.json").read_text())
+    assert data["meta"]["config"]["model"] == "hf-llama" and data["meta"]["world_size"] == 1
+    assert "-hf-llama" in data["meta"]["section_key"] and "Hugging Face-shaped Llama" in (out_dir / "results.md").read_text()
+    modes = data["modes"]
+    assert list(modes) == list(HF_LLAMA_MODES)
+    for name, figures in modes.items():
+        assert figures["status"] == "ok", (name, figures["status"], data["errors"].get(name, "")[-2000:])
+        assert len(figures["losses"]) == 3 and all(math.isfinite(loss) for loss in figures["losses"])
+    assert modes["ours-eager"]["losses"][-1] < modes["ours-eager"]["losses"][0]  # it learns
+    assert modes["torch-eager"]["loss_max_rel_diff"] <= 1e-5
+    assert modes["ours-compiled"]["loss_max_rel_diff"] <= 1e-3
+    assert "| ours-compiled |" in stdout
+
+
+def test_hf_llama_layers_take_keyword_arguments_and_return_tuples():
+    """The model's calling convention is Hugging Face's, as the benchmark option promises: every decoder
+    layer is called with keyword arguments only (hidden_states, attention_mask, position_ids,
+    position_embeddings=(cos, sin), ...) and returns a tuple; k and v have fewer heads than q."""
+    import torch
+
+    from benchmarks.config import parse_args
+    from benchmarks.modes import blocks, build_model
+
+    cfg = parse_args([*HF_LLAMA_TINY, "--world-size", "1"])
+    model = build_model(cfg.model_config())
+    calls = []
+    for layer in blocks(model):
+        layer.register_forward_hook(lambda module, args, kwargs, out: calls.append((args, kwargs, out)), with_kwargs=True)
+    tokens = torch.randint(0, 64, (2, 16))
+    logits = model(tokens)
+    assert logits.shape == (2, 16, 64) and len(calls) == 2
+    for args, kwargs, out in calls:
+        assert args == () and {"hidden_states", "attention_mask", "position_ids", "position_embeddings"} <= set(kwargs)
+        cos, sin = kwargs["position_embeddings"]
+        assert cos.shape == sin.shape == (1, 16, 8)
+        assert kwargs["attention_mask"].dtype == torch.bool and kwargs["attention_mask"].shape == (2, 1, 16, 16)
+        assert isinstance(out, tuple) and out[0].shape == (2, 16, 32)
+    attention = blocks(model)[0].self_attn
+    assert attention.k_proj.out_features == attention.q_proj.out_features // 2  # --kv-heads 2 of --heads 4
+
+
+def test_compile_stages_table_lists_each_modes_cold_and_warm_stages_longest_first():
+    """--compile-scaling's per-stage table (torch._dynamo.utils.compile_times() of each mode's own
+    processes), from made-up figures: one column per mode and phase that ran, stages by their largest
+    figure, a dash where a process never entered a stage."""
+    from benchmarks.scaling import stages_table
+
+    stages = {
+        "ours-compiled": {"cold": {"_compile.compile_inner": [4, 12.0], "compile_fx_inner": [8, 6.5]},
+                          "warm": {"_compile.compile_inner": [4, 3.0]}},
+        "torch-blockcompile": {"cold": {"_compile.compile_inner": [1, 7.0], "compile_fx_inner": [2, 5.0]}, "warm": {}},
+    }
+    lines = stages_table(("ours-compiled", "torch-blockcompile"), {}, stages).splitlines()
+    assert lines[0] == "| stage | ours-compiled cold | ours-compiled warm | torch-blockcompile cold |"
+    assert lines[2] == "| `_compile.compile_inner` | 12.00 (4) | 3.00 (4) | 7.00 (1) |"
+    assert lines[3] == "| `compile_fx_inner` | 6.50 (8) | — | 5.00 (2) |"
