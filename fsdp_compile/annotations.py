@@ -1,6 +1,6 @@
 """Keys of the FSDP annotation that traced nodes carry in ``node.meta["custom"]``.
 
-``fsdp_compile.traceable`` writes the per-parameter keys on every node of a parameter's traced
+``fsdp_compile.compile.param_reads`` writes the per-parameter keys on every node of a parameter's traced
 unshard; ``passes/bucket.py`` writes all of them on the nodes of a bucket. The passes read them
 through ``fsdp_compile.passes.graph`` (which re-exports these names). The keys live in a module of
 their own because traceable.py is imported before ``fsdp_compile.passes`` can be (a source

@@ -238,7 +238,7 @@ def fsdp1_kwargs(
         fully_shard(model, **kwargs)
         model.set_backward_prefetch(BackwardPrefetch.BACKWARD_POST)
     """
-    from fsdp_compile.mesh import default_mesh, hybrid_mesh, replicate_mesh
+    from fsdp_compile.runtime.mesh import default_mesh, hybrid_mesh, replicate_mesh
 
     kwargs: dict[str, Any] = {}
     if sharding_strategy == ShardingStrategy.NO_SHARD:

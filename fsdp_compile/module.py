@@ -14,20 +14,20 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_compile.api import BackwardPrefetch, CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from fsdp_compile.backend import fsdp_frames_recompile_limit_reached, traced_in_a_block_call_frame
-from fsdp_compile.graph_check import EAGER_FRAME_MARK
-from fsdp_compile.mesh import (
+from fsdp_compile.compile.backend import fsdp_frames_recompile_limit_reached, traced_in_a_block_call_frame
+from fsdp_compile.compile.graph_check import EAGER_FRAME_MARK
+from fsdp_compile.runtime.mesh import (
     DataParallelMeshDims, MeshInfo, TensorParallelLayout, default_mesh, mesh_device, mesh_info_for, post_forward_mesh_info_for,
     separate_group_of, tensor_parallel_layout,
 )
-from fsdp_compile.optimizer_check import install_optimizer_check, mark_replaced
-from fsdp_compile.param import FSDPParam, ParamRef, parameters_placed_for_trace
-from fsdp_compile.param_group import FSDPParamGroup, TrainingState
-from fsdp_compile.state import FSDPState, all_states_under, inside_a_compiled_call, state_of
-from fsdp_compile.structures import map_tensors, tensors_in
-from fsdp_compile.state_dict import register_state_dict_hooks
+from fsdp_compile.runtime.optimizer_check import install_optimizer_check, mark_replaced
+from fsdp_compile.runtime.param import FSDPParam, ParamRef, parameters_placed_for_trace
+from fsdp_compile.runtime.param_group import FSDPParamGroup, TrainingState
+from fsdp_compile.runtime.state import FSDPState, all_states_under, inside_a_compiled_call, state_of
+from fsdp_compile.runtime.structures import map_tensors, tensors_in
+from fsdp_compile.runtime.state_dict import register_state_dict_hooks
 from fsdp_compile import config
-from fsdp_compile.traceable import install_traced_param_access
+from fsdp_compile.compile.param_reads import install_traced_param_access
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx"]
 

@@ -2,7 +2,7 @@
 
 Expects a partitioned forward or backward graph (AOTAutograd's, before or after Inductor's
 decompositions) whose per-parameter collectives carry ``node.meta["custom"]["fsdp_group"]``
-(``fsdp_compile.traceable``). Leaves, per group (and per process group and dtype), one
+(``fsdp_compile.compile.param_reads``). Leaves, per group (and per process group and dtype), one
 collective on a flat bucket. The all-gather's copy-in pads and casts each shard to ``param_dtype``
 as it writes the bucket (one op, or a ``cat`` of per-parameter casts Inductor fuses into the one
 kernel that writes it); the reduce-scatter's ``cat`` takes the ``reduce_dtype`` casts alike; no

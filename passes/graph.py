@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 
 import fsdp_compile.kernels  # noqa: F401 - registers torch.ops.fsdp_compile's copy ops (COPY_IN, COPY_OUT)
-import fsdp_compile.traceable  # noqa: F401 - registers torch.ops.fsdp_compile's frame ops (FRAME_GATHER, DELIVER_GRADIENT)
+import fsdp_compile.compile.param_reads  # noqa: F401 - registers torch.ops.fsdp_compile's frame ops (FRAME_GATHER, DELIVER_GRADIENT)
 from fsdp_compile.annotations import (
     BLOCK_FRAME_TOKEN, BUCKET_KEY, FSDP_ANNOTATION_KEY, GROUP_KEY, GROUPS_KEY, PARAM_KEY, PARAMS_KEY, RESHARD_AFTER_FORWARD_KEY, STATE_KEY,
     fsdp_annotation,

@@ -1,6 +1,6 @@
 """Joint-graph pass: groups with ``reshard_after_forward=True`` re-all-gather in backward.
 
-Expects the AOTAutograd joint graph of a model traced through ``fsdp_compile.traceable``:
+Expects the AOTAutograd joint graph of a model traced through ``fsdp_compile.compile.param_reads``:
 its unshard nodes carry ``node.meta["custom"]["fsdp"]``. Leaves those nodes (and the pure
 views of their output) tagged ``MUST_RECOMPUTE`` when they belong to the forward and their
 group reshards after forward, so the partitioner saves the small sharded input instead of the

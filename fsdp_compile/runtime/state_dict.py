@@ -40,10 +40,10 @@ from fsdp_compile.api import (
     StateDictSettings,
     StateDictType,
 )
-from fsdp_compile.collectives import gather_full
-from fsdp_compile.compile_wrapper import install_compile_wrapper_hook
-from fsdp_compile.param import FSDPParam
-from fsdp_compile.state import FSDPState, all_states_under, state_of
+from fsdp_compile.runtime.collectives import gather_full
+from fsdp_compile.compile.compile_wrapper import install_compile_wrapper_hook
+from fsdp_compile.runtime.param import FSDPParam
+from fsdp_compile.runtime.state import FSDPState, all_states_under, state_of
 
 __all__ = ["state_dict_type", "get_state_dict_type", "register_state_dict_hooks"]
 

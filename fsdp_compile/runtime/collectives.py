@@ -13,10 +13,10 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from fsdp_compile.comm_context import CommContext
+from fsdp_compile.runtime.comm_context import CommContext
 from fsdp_compile.kernels import ops, quantized, quantized_reference
-from fsdp_compile.layout import ShardLayout
-from fsdp_compile.mesh import MeshInfo, ShardGroup
+from fsdp_compile.runtime.layout import ShardLayout
+from fsdp_compile.runtime.mesh import MeshInfo, ShardGroup
 
 __all__ = [
     "CollectiveRecord",

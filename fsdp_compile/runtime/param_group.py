@@ -10,15 +10,15 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from fsdp_compile import collectives
+from fsdp_compile.runtime import collectives
 from fsdp_compile.api import CommPolicy
-from fsdp_compile.collectives import (
+from fsdp_compile.runtime.collectives import (
     PendingAllGather, PendingPackedAllGather, PendingQuantizedAllGather, PendingReduceScatter, ReduceSpec,
 )
-from fsdp_compile.comm_context import CommContext
+from fsdp_compile.runtime.comm_context import CommContext
 from fsdp_compile.kernels import ops, quantized, quantized_reference
-from fsdp_compile.mesh import MeshInfo, PostForwardMeshInfo
-from fsdp_compile.param import FSDPParam, ShardedState
+from fsdp_compile.runtime.mesh import MeshInfo, PostForwardMeshInfo
+from fsdp_compile.runtime.param import FSDPParam, ShardedState
 
 __all__ = ["TrainingState", "FSDPParamGroup", "owner_of_late_gradient_sink", "gradient_holder"]
 

@@ -23,18 +23,18 @@ from torch.autograd.graph import register_multi_grad_hook
 from fsdp_compile import config
 from fsdp_compile.annotations import BLOCK_FRAME_TOKEN
 from fsdp_compile.api import BackwardPrefetch, MixedPrecisionPolicy
-from fsdp_compile.backend import (
+from fsdp_compile.compile.backend import (
     traced_for_an_fsdp_backend, traced_in_a_callers_higher_order_op, traced_under_compiled_autograd, traced_without_graph_breaks,
 )
-from fsdp_compile.collectives import pending_functional_reduce_scatter
-from fsdp_compile.comm_context import CommContext
-from fsdp_compile.graph_check import END_OF_FORWARD, block_frames_fingerprint, check_block_frames_match_across_ranks
-from fsdp_compile.param_group import FSDPParamGroup, TrainingState, owner_of_late_gradient_sink
-from fsdp_compile.structures import map_tensors, tensors_in
-from fsdp_compile.traceable import issue_frame_prefetch, trace_annotation, unshard_for_trace
+from fsdp_compile.runtime.collectives import pending_functional_reduce_scatter
+from fsdp_compile.runtime.comm_context import CommContext
+from fsdp_compile.compile.graph_check import END_OF_FORWARD, block_frames_fingerprint, check_block_frames_match_across_ranks
+from fsdp_compile.runtime.param_group import FSDPParamGroup, TrainingState, owner_of_late_gradient_sink
+from fsdp_compile.runtime.structures import map_tensors, tensors_in
+from fsdp_compile.compile.param_reads import issue_frame_prefetch, trace_annotation, unshard_for_trace
 
 if TYPE_CHECKING:
-    from fsdp_compile.param import FSDPParam
+    from fsdp_compile.runtime.param import FSDPParam
 
 __all__ = ["FSDPState", "state_of", "all_states_under", "live_states", "inside_a_compiled_call"]
 

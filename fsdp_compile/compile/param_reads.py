@@ -28,15 +28,15 @@ import torch.fx.traceback as fx_traceback
 
 from fsdp_compile import config
 from fsdp_compile.annotations import FSDP_ANNOTATION_KEY, GROUP_KEY, PARAM_KEY, RESHARD_AFTER_FORWARD_KEY, STATE_KEY
-from fsdp_compile.collectives import ReduceSpec
+from fsdp_compile.runtime.collectives import ReduceSpec
 from fsdp_compile.kernels import quantized_reference
-from fsdp_compile.layout import ShardLayout
-from fsdp_compile.param_group import TrainingState
+from fsdp_compile.runtime.layout import ShardLayout
+from fsdp_compile.runtime.param_group import TrainingState
 
 if TYPE_CHECKING:
-    from fsdp_compile.mesh import TensorParallelLayout
-    from fsdp_compile.param import FSDPParam
-    from fsdp_compile.state import FSDPState
+    from fsdp_compile.runtime.mesh import TensorParallelLayout
+    from fsdp_compile.runtime.param import FSDPParam
+    from fsdp_compile.runtime.state import FSDPState
 
 __all__ = [
     "trace_annotation", "unshard_for_trace", "issue_frame_prefetch", "frame_all_gather", "install_traced_param_access", "FSDP_ANNOTATION_KEY",
@@ -302,7 +302,7 @@ def frame_all_gather(
     that ran before it issued for it (in forward the block before it, in backward the block after it),
     else one issued now; either way it then issues that of the block that runs next. See [Note:
     prefetch across block frames] and [Note: backward prefetch across block frames] in module.py."""
-    from fsdp_compile.state import gather_in_frame
+    from fsdp_compile.runtime.state import gather_in_frame
 
     return gather_in_frame(shards, padded_numels, param_dtype, shard_size, shard_group_name, backward)
 
@@ -322,7 +322,7 @@ def deliver_reduced_gradient(reduced: torch.Tensor, late_sink: torch.Tensor) -> 
     sink's gradient (zeros). The graph's own form; the post-grad pass makes a bucket's deliveries
     late (``deliver_reduce_scatter_late``). See [Note: late reduce-scatter wait across block frames]
     in module.py."""
-    from fsdp_compile.state import deliver_gradient_now
+    from fsdp_compile.runtime.state import deliver_gradient_now
 
     deliver_gradient_now(reduced, late_sink)
     return torch.zeros_like(late_sink)
@@ -340,7 +340,7 @@ def deliver_reduce_scatter_late(in_flight: torch.Tensor, reduce_input: torch.Ten
     block's backward hands over its own (or the backward ends). ``reduce_input`` is kept alive until
     then. Returns the sinks' gradient (zeros). See [Note: late reduce-scatter wait across block
     frames] in module.py."""
-    from fsdp_compile.state import deliver_gradients_late
+    from fsdp_compile.runtime.state import deliver_gradients_late
 
     deliver_gradients_late(in_flight, reduce_input, late_sinks)
     return torch.zeros_like(late_sinks[0])

@@ -21,7 +21,7 @@ import weakref
 import torch
 import torch.nn as nn
 
-from fsdp_compile.state import all_states_under
+from fsdp_compile.runtime.state import all_states_under
 
 __all__ = ["install_compile_wrapper_hook", "COMPILE_WRAPPER_PREFIX"]
 

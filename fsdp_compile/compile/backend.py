@@ -22,8 +22,8 @@ try:
 except ImportError:  # a torch without Inductor's partitioner hook
     _CustomPartitionerFn = None
 
-from fsdp_compile.graph_check import check_collectives_match_across_ranks
-from fsdp_compile.unreached import GradientDelivery, forget_unreached_gradients, output_reach
+from fsdp_compile.compile.graph_check import check_collectives_match_across_ranks
+from fsdp_compile.compile.unreached import GradientDelivery, forget_unreached_gradients, output_reach
 
 __all__ = ["fsdp_inductor", "fsdp_inductor_with", "fsdp_aot_eager", "observe_graphs", "traced_for_an_fsdp_backend"]
 
@@ -215,10 +215,10 @@ def _traced_code_version() -> str:
     """A hash of traceable.py. AOTAutograd's cache keys a graph by Dynamo's, where each traced
     all-gather is one op whose decomposition and backward formula live in traceable.py (see
     [Note: the traced all-gather is one op]): a changed formula must miss the cache."""
-    from fsdp_compile import traceable
+    from fsdp_compile.compile import param_reads
 
     # The file the module was loaded from: its source, or its compiled file where none shipped.
-    with open(traceable.__file__, "rb") as loaded:
+    with open(param_reads.__file__, "rb") as loaded:
         return hashlib.sha256(loaded.read()).hexdigest()[:16]
 
 
@@ -269,7 +269,7 @@ def refuse_tensor_parallel_graphs(example_inputs: Sequence[Any]) -> None:
     """A graph that takes a tensor-parallel parameter's *unsharded* DTensor (the eager fallback's and
     per-block compile's graphs read it; the whole-model graph gathers from the sharded one) is
     refused: those paths do not compose with tensor parallelism yet."""
-    from fsdp_compile.state import live_states
+    from fsdp_compile.runtime.state import live_states
 
     tensor_parallel = {
         id(fsdp_param._unsharded_param): fsdp_param.fqn
@@ -316,7 +316,7 @@ def traced_without_graph_breaks() -> bool:
     return tx is not None and bool(getattr(tx, "one_graph", False) or getattr(tx, "error_on_graph_break", False))
 
 
-_MODULE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "module.py")
+_MODULE_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "module.py")
 
 
 @torch._dynamo.assume_constant_result
@@ -413,7 +413,7 @@ def _block_whose_frame_is_compiled(code: Any, frame_locals: dict[str, Any]) -> A
     """The FSDP state of the block whose frame Dynamo is about to compile, or None: a block frame
     (the resume function of its forward's graph break, entered by that block) or the forward of a
     block compiled alone (block.compile(), torchtitan's per-block recipe)."""
-    from fsdp_compile.state import block_frame_in_trace, state_of
+    from fsdp_compile.runtime.state import block_frame_in_trace, state_of
 
     if _is_block_frame_code(code):
         return block_frame_in_trace()
@@ -552,7 +552,7 @@ def admit_traced_parameters(gm: fx.GraphModule) -> None:
     and a local shard with FSDP2's all-gather extension (``fsdp_pre_all_gather``): the traced
     unshard gathers the shard itself and would silently lose the extension.
     """
-    from fsdp_compile import state as state_module
+    from fsdp_compile.runtime import state as state_module
     from fsdp_compile.annotations import BLOCK_FRAME_TOKEN
     from fsdp_compile.passes.graph import PARAM_KEY, STATE_KEY, fsdp_annotation
 
@@ -683,7 +683,7 @@ def _add_traced_op_to_inductors_decompositions() -> None:
     every graph (seen with torch 2.13: each process compiled everything again)."""
     from torch._inductor import decomposition
 
-    from fsdp_compile.traceable import TRACED_OP_DECOMPOSITIONS
+    from fsdp_compile.compile.param_reads import TRACED_OP_DECOMPOSITIONS
 
     if all(op in decomposition.decompositions for op in TRACED_OP_DECOMPOSITIONS):
         return
@@ -750,7 +750,7 @@ def fsdp_aot_eager(
 
     from fsdp_compile import config
     from fsdp_compile.passes import apply_post_grad_passes
-    from fsdp_compile.traceable import TRACED_OP_DECOMPOSITIONS
+    from fsdp_compile.compile.param_reads import TRACED_OP_DECOMPOSITIONS
 
     refuse_tensor_parallel_graphs(example_inputs)
     check_collectives_match_across_ranks(gm)
@@ -780,8 +780,8 @@ def fsdp_aot_eager(
 
 def _runtime_gradient_delivery() -> GradientDelivery:
     """The runtime's side of [Note: a graph output left out of the loss] (unreached.py)."""
-    from fsdp_compile.param_group import gradient_holder
-    from fsdp_compile.state import land_late_reductions
+    from fsdp_compile.runtime.param_group import gradient_holder
+    from fsdp_compile.runtime.state import land_late_reductions
 
     return GradientDelivery(gradient_holder, land_late_reductions)
 

@@ -13,9 +13,9 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.nn.utils.stateless import _reparametrize_module
 
 from fsdp_compile.api import MixedPrecisionPolicy
-from fsdp_compile.layout import ShardLayout
-from fsdp_compile.optimizer_check import mark_replaced, mark_unsharded
-from fsdp_compile.mesh import MeshInfo, PostForwardMeshInfo, TensorParallelLayout
+from fsdp_compile.runtime.layout import ShardLayout
+from fsdp_compile.runtime.optimizer_check import mark_replaced, mark_unsharded
+from fsdp_compile.runtime.mesh import MeshInfo, PostForwardMeshInfo, TensorParallelLayout
 
 __all__ = ["ShardedState", "ParamRef", "FSDPParam"]
 
