@@ -32,8 +32,8 @@ from fsdp_compile.api import (
 )
 from fsdp_compile.runtime.collectives import CollectiveRecord, record_collectives
 from fsdp_compile.runtime.mesh import DataParallelMeshDims
-from fsdp_compile.module import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method, share_comm_ctx
-from fsdp_compile.runtime.param_group import TrainingState
+from fsdp_compile.module import FSDPModule, fully_shard, register_fsdp_forward_method, share_comm_ctx
+from fsdp_compile.runtime.param_group import TrainingState, UnshardHandle
 from fsdp_compile.optimizer_state_dict import optim_state_dict, optim_state_dict_to_load, rekey_optim_state_dict
 from fsdp_compile.runtime.param import ShardedState
 from fsdp_compile.runtime.state_dict import get_state_dict_type, state_dict_type

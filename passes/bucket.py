@@ -93,7 +93,7 @@ def _shape(node: fx.Node) -> tuple[int, ...]:
 
 def _member_and_key(node: fx.Node, group: str) -> tuple[_Member, tuple] | None:
     """The member an annotated collective makes and the key of its bucket; None if it is not read
-    through one wait of a traced tensor (the shape traceable.py emits)."""
+    through one wait of a traced tensor (the shape compile/param_reads.py emits)."""
     wait = single_wait(node)
     source = node.args[0]
     if wait is None or not isinstance(source, fx.Node) or "val" not in source.meta or "val" not in wait.meta:

@@ -8,9 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import os
 import warnings
-import weakref
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -22,16 +20,23 @@ try:
 except ImportError:  # a torch without Inductor's partitioner hook
     _CustomPartitionerFn = None
 
+from fsdp_compile.compile import ops, param_reads, torch_patches
+from fsdp_compile.compile.frames import gradient_holder, land_late_reductions
 from fsdp_compile.compile.graph_check import check_collectives_match_across_ranks
+from fsdp_compile.compile.ops import TRACED_OP_DECOMPOSITIONS
+from fsdp_compile.compile.policy import check_parameters_read, refuse_tensor_parallel_graphs
+from fsdp_compile.compile.trace_context import mark_fsdp_backend
+from fsdp_compile.compile.torch_patches import region_schemas_kept
 from fsdp_compile.compile.unreached import GradientDelivery, forget_unreached_gradients, output_reach
 
-__all__ = ["fsdp_inductor", "fsdp_inductor_with", "fsdp_aot_eager", "observe_graphs", "traced_for_an_fsdp_backend"]
+__all__ = ["fsdp_inductor", "fsdp_inductor_with", "fsdp_aot_eager", "observe_graphs"]
 
 _PASS_VERSION = "fsdp_compile-recompute-v1"
 _POST_GRAD_VERSION = "fsdp_compile-bucket-reorder-v3"
 _PARTITION_VERSION = "fsdp_compile-saved-values-in-runtime-order-v1"
 
 
+# The open observe_graphs() blocks: process-wide, as the backends registered with Dynamo are.
 _graph_observers: list[Callable[[str, fx.GraphModule], None]] = []
 
 
@@ -212,14 +217,16 @@ def _runtime_ordered_partitioner() -> Any:
 
 @functools.cache
 def _traced_code_version() -> str:
-    """A hash of traceable.py. AOTAutograd's cache keys a graph by Dynamo's, where each traced
-    all-gather is one op whose decomposition and backward formula live in traceable.py (see
-    [Note: the traced all-gather is one op]): a changed formula must miss the cache."""
-    from fsdp_compile.compile import param_reads
-
-    # The file the module was loaded from: its source, or its compiled file where none shipped.
-    with open(param_reads.__file__, "rb") as loaded:
-        return hashlib.sha256(loaded.read()).hexdigest()[:16]
+    """A hash of ops.py and param_reads.py. AOTAutograd's cache keys a graph by Dynamo's, where each
+    traced all-gather is one op whose decomposition and backward formula live in ops.py, built from
+    the arguments param_reads.py gives it (see [Note: the traced all-gather is one op] in ops.py): a changed
+    formula must miss the cache."""
+    digest = hashlib.sha256()
+    # The files the modules were loaded from: their sources, or their compiled files where none shipped.
+    for module in (ops, param_reads):
+        with open(module.__file__, "rb") as loaded:
+            digest.update(loaded.read())
+    return digest.hexdigest()[:16]
 
 
 class _PostGradPasses(CustomGraphPass):
@@ -265,246 +272,7 @@ INDUCTOR_COMM_PASSES_OFF: dict[str, Any] = {
 }
 
 
-def refuse_tensor_parallel_graphs(example_inputs: Sequence[Any]) -> None:
-    """A graph that takes a tensor-parallel parameter's *unsharded* DTensor (the eager fallback's and
-    per-block compile's graphs read it; the whole-model graph gathers from the sharded one) is
-    refused: those paths do not compose with tensor parallelism yet."""
-    from fsdp_compile.runtime.state import live_states
-
-    tensor_parallel = {
-        id(fsdp_param._unsharded_param): fsdp_param.fqn
-        for state in live_states() if state.group is not None
-        for fsdp_param in state.group.fsdp_params
-        if fsdp_param.tensor_parallel is not None and fsdp_param._unsharded_param is not None
-    }
-    read = [tensor_parallel[id(value)] for value in example_inputs if id(value) in tensor_parallel]
-    if read:
-        raise NotImplementedError(
-            f"fsdp_inductor: the graph reads the unsharded tensor-parallel DTensor parameter '{read[0]}' (the eager "
-            "fallback, config.skip_fsdp_hooks, or per-block compile), which does not support tensor parallelism yet. "
-            "Compile the whole model with torch.compile(model, backend='fsdp_inductor'), or train eagerly."
-        )
-
-
-# Set on each of our backends (see traced_for_an_fsdp_backend).
-_FSDP_BACKEND_ATTR = "_fsdp_compile_backend"
-_warned_backends: set[str] = set()
-
-
-def _fsdp_backend(backend: Callable[..., Any]) -> Callable[..., Any]:
-    setattr(backend, _FSDP_BACKEND_ATTR, True)
-    return backend
-
-
-def _dynamo_tracer() -> Any:
-    """Dynamo's tracer of the frame being traced, or None outside its trace (make_fx, export of a
-    traced graph, eager code)."""
-    try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-
-        return InstructionTranslator.current_tx()
-    except Exception:
-        return None
-
-
-@torch._dynamo.assume_constant_result
-def traced_without_graph_breaks() -> bool:
-    """Read while Dynamo traces: whether this trace may not break the graph (``fullgraph=True``,
-    ``torch._dynamo.error_on_graph_break``). Blocks compiled as frames break it at each block, so
-    under such a trace they are regions instead ([Note: blocks compiled as frames] in module.py)."""
-    tx = _dynamo_tracer()
-    return tx is not None and bool(getattr(tx, "one_graph", False) or getattr(tx, "error_on_graph_break", False))
-
-
-_MODULE_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "module.py")
-
-
-@torch._dynamo.assume_constant_result
-def traced_in_a_callers_higher_order_op() -> bool:
-    """Read while Dynamo traces a block's call: whether it is traced inside the body of a higher-order
-    op of a frame other than a block frame's own (``checkpoint(block, x)``, as Hugging Face's gradient
-    checkpointing calls its layers), where the graph may not break: that block is compiled in its
-    caller's graph, as a region, not as a frame of its own ([Note: blocks compiled as frames] in
-    module.py). A block frame's own higher-order ops (a checkpointed body) do not count."""
-    tx = _dynamo_tracer()
-    if tx is None or tx.output.current_tracer.parent is None:
-        return False
-    return not _is_block_frame_code(tx.output.root_tx.f_code)
-
-
-@torch._dynamo.assume_constant_result
-def traced_under_compiled_autograd() -> bool:
-    """Read while Dynamo traces a block frame's parameter reads: whether compiled autograd will trace
-    the backward (``torch._dynamo.config.compiled_autograd`` was set as the compiled call began). It
-    traces the whole backward into one graph of its own, not the frames' backward graphs that the
-    late hand-over pass rewrites, so a late delivery would only add a copy into ``.grad`` per
-    parameter there: the frames' reductions return their gradients instead ([Note: late
-    reduce-scatter wait across block frames] in module.py). Kept as a constant: a graph traced with
-    it off and run under compiled autograd (or the reverse) still delivers correctly."""
-    from torch._dynamo import compiled_autograd
-
-    return bool(compiled_autograd.compiled_autograd_enabled)
-
-
-# Dynamo's resume functions of a block frame's graph break: in FSDPModule.forward, or in the FSDP
-# class's __call__ ([Note: a block that checkpoints itself in __call__] in module.py).
-_BLOCK_FRAME_RESUME_NAMES = ("torch_dynamo_resume_in_forward", "torch_dynamo_resume_in__call_entering_block_frame")
-
-
-def _is_block_frame_code(code: Any) -> bool:
-    """Whether ``code`` is the rest of a block's forward (or __call__) after its frame's graph break:
-    Dynamo's resume function of FSDPModule.forward (or of the FSDP class's __call__), named after it,
-    in the same file."""
-    return code.co_filename == _MODULE_FILE and code.co_name.startswith(_BLOCK_FRAME_RESUME_NAMES)
-
-
-# [Note: a recompile limit per block structure]
-# Every block frame is one code object to Dynamo (the resume function of FSDPModule.forward), so
-# torch._dynamo.config.recompile_limit (8 by default) counted the graphs of every block structure
-# together: a model whose blocks differ in something their forward reads (a per-layer index or
-# scale) compiled its first 8 structures and ran every later block eagerly, with a warning. A model
-# traced inline or as regions compiles each. So the limit counts per structure instead: the first
-# time a block's frame misses Dynamo's cache (no graph of the blocks before it holds for it), it is a
-# structure of its own and the frame code's limit grows by the user's limit; a block that compiled
-# before and misses again (a new shape, a train/eval switch) counts as a recompile, as for any code.
-# recompile_limit = 1 still runs a block eagerly at its first recompile; accumulated_recompile_limit
-# still caps the total. The same holds for blocks compiled alone (block.compile(), torchtitan's
-# per-block recipe), whose frames are all FSDPModule.forward's code.
-_structures_by_frame_code: dict[Any, int] = {}
-# Every code object of module.py Dynamo compiled (FSDPModule.forward, shared by the root and each
-# block, and the block frames' resume functions), in order.
-_fsdp_frame_codes: dict[Any, None] = {}
-_blocks_seen_by_frame_code: "dict[Any, weakref.WeakSet[Any]]" = {}
-
-
-def _recompile_limit_per_block_structure() -> None:
-    """Installs the per-structure limit of [Note: a recompile limit per block structure] around Dynamo's
-    frame compile; once per process, a no-op on a torch whose Dynamo lacks the function it wraps."""
-    from torch._dynamo import config as dynamo_config, convert_frame
-
-    compile_frame = getattr(convert_frame, "_compile", None)
-    if compile_frame is None or getattr(compile_frame, "_fsdp_compile_limit_per_structure", False):
-        return
-
-    @functools.wraps(compile_frame)
-    def compile_with_a_limit_per_block_structure(code: Any, *args: Any, **kwargs: Any) -> Any:
-        if code.co_filename != _MODULE_FILE:
-            return compile_frame(code, *args, **kwargs)
-        _fsdp_frame_codes[code] = None  # for fsdp_frames_recompile_limit_reached
-        block = _block_whose_frame_is_compiled(code, args[1] if len(args) > 1 and isinstance(args[1], dict) else {})
-        if block is None:
-            return compile_frame(code, *args, **kwargs)
-        if not _cache_entries_of(code):  # the first compile, or the first since torch._dynamo.reset()
-            _blocks_seen_by_frame_code.pop(code, None)
-            _structures_by_frame_code.pop(code, None)
-        seen = _blocks_seen_by_frame_code.setdefault(code, weakref.WeakSet())
-        if block not in seen:
-            seen.add(block)
-            _structures_by_frame_code[code] = _structures_by_frame_code.get(code, 0) + 1
-        structures = max(1, _structures_by_frame_code.get(code, 0))
-        with dynamo_config.patch(recompile_limit=dynamo_config.recompile_limit * structures):
-            return compile_frame(code, *args, **kwargs)
-
-    compile_with_a_limit_per_block_structure._fsdp_compile_limit_per_structure = True  # type: ignore[attr-defined]
-    convert_frame._compile = compile_with_a_limit_per_block_structure
-
-
-def _block_whose_frame_is_compiled(code: Any, frame_locals: dict[str, Any]) -> Any:
-    """The FSDP state of the block whose frame Dynamo is about to compile, or None: a block frame
-    (the resume function of its forward's graph break, entered by that block) or the forward of a
-    block compiled alone (block.compile(), torchtitan's per-block recipe)."""
-    from fsdp_compile.runtime.state import block_frame_in_trace, state_of
-
-    if _is_block_frame_code(code):
-        return block_frame_in_trace()
-    module = frame_locals.get("self")
-    state = state_of(module) if code.co_name == "forward" and isinstance(module, torch.nn.Module) else None
-    return state if state is not None and state.per_block_compiled else None
-
-
-def fsdp_frames_recompile_limit_reached() -> str | None:
-    """Why an FSDP module ran eagerly inside a compiled model, where it is Dynamo's recompile limit,
-    reached on FSDPModule.forward's code (the root's and every block's) or on the block frames'
-    ([Note: a recompile limit per block structure]): a sentence naming the limit and the way out,
-    else None."""
-    from torch._dynamo import config as dynamo_config
-
-    for code in list(_fsdp_frame_codes):
-        structures = _structures_by_frame_code.get(code)
-        graphs = len(_cache_entries_of(code))
-        if graphs and graphs >= dynamo_config.recompile_limit * (structures or 1):
-            per = f" per block structure, {structures} structure(s)" if structures else ""
-            compiled = "the block frames" if _is_block_frame_code(code) else f"FSDPModule.{code.co_name}"
-            return (
-                f"the recompile limit: the {graphs} graph(s) of {compiled} reached "
-                f"torch._dynamo.config.recompile_limit ({dynamo_config.recompile_limit}){per}; each new input shape, "
-                "dtype or train/eval switch compiles one more. Raise torch._dynamo.config.recompile_limit, or mark "
-                "the varying dimension dynamic, to compile it"
-            )
-    return None
-
-
-def _cache_entries_of(code: Any) -> list[Any]:
-    try:
-        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
-    except ImportError:
-        return []
-    return _debug_get_cache_entry_list(code)
-
-
-_recompile_limit_per_block_structure()
-
-
-@torch._dynamo.assume_constant_result
-def traced_in_a_block_call_frame() -> bool:
-    """Read while Dynamo traces: whether the frame being traced is a block's frame entered in its
-    class's ``__call__`` ([Note: a block that checkpoints itself in __call__] in module.py), where the
-    block's forward runs its body as it is."""
-    tx = _dynamo_tracer()
-    if tx is None:
-        return False
-    root_code = tx.output.root_tx.f_code
-    return root_code.co_filename == _MODULE_FILE and root_code.co_name.startswith(_BLOCK_FRAME_RESUME_NAMES[1])
-
-
-@torch._dynamo.assume_constant_result
-def traced_for_an_fsdp_backend() -> bool:
-    """Read while Dynamo traces FSDP parameter reads: whether the graph goes to one of our backends.
-
-    Only those check the graph (settings it cannot honour refused, the ranks' collectives compared:
-    ``admit_traced_parameters``, ``check_collectives_match_across_ranks``), run the passes, and
-    compile nested block regions correctly: ``fsdp_inductor`` turns off Inductor's buffer reuse in
-    graphs holding them ([Note: Inductor's buffer reuse across nested regions]); under
-    torch.compile's own ``backend="inductor"`` a model of region calls got gradients off by 2 to 25
-    times (a 2-block Transformer, silently). Under another backend every block is traced inline, as
-    with ``config.compile_blocks_once = False``, and the user is told once what that backend skips.
-    Dynamo runs this at trace time and keeps the answer as a constant; its own guard on the backend
-    recompiles for another backend.
-    """
-    tx = _dynamo_tracer()
-    if tx is None:
-        return False
-    wrapper = tx.output.compiler_fn
-    while hasattr(wrapper, "_torchdynamo_orig_backend"):  # Dynamo's debug and error-catching wrappers
-        wrapper = wrapper._torchdynamo_orig_backend
-    backend = getattr(wrapper, "compiler_fn", wrapper)  # torch.compile's wrapper of a named backend
-    if getattr(backend, _FSDP_BACKEND_ATTR, False):
-        return True
-    name = str(getattr(wrapper, "compiler_name", None) or getattr(backend, "__name__", type(backend).__name__))
-    if name not in _warned_backends:
-        _warned_backends.add(name)
-        warnings.warn(
-            f"fsdp_compile: torch.compile(backend={name!r}) traces this model's FSDP all-gathers and reduce-scatters "
-            "as opaque ops, without fsdp_inductor's checks (a setting the graph cannot honour is not refused, the "
-            "ranks' graphs are not compared), its graph passes, or its compile-once blocks. Use "
-            "backend='fsdp_inductor'; or, to run the FSDP hooks eagerly around compiled code as PyTorch FSDP2 does, "
-            "compile each block (block.compile()) or set fsdp_compile.config.skip_fsdp_hooks = True.",
-            stacklevel=2,
-        )
-    return False
-
-
-@_fsdp_backend
+@mark_fsdp_backend
 def fsdp_inductor(
     gm: fx.GraphModule, example_inputs: Sequence[Any], mode: str | None = None, options: dict[str, Any] | None = None,
 ) -> Any:
@@ -540,47 +308,7 @@ def fsdp_inductor_with(passes: Any) -> Callable[..., Any]:
         return _compile_with_inductor(gm, example_inputs, passes, mode, options)
 
     backend.__name__ = backend.__qualname__ = "fsdp_inductor"
-    return _fsdp_backend(backend)
-
-
-def admit_traced_parameters(gm: fx.GraphModule) -> None:
-    """Before compiling a graph: every live fully_shard state whose parameters it reads learns that
-    its model runs compiled (so an eager call into the model later initializes from the root
-    instead of failing), and a parameter the graph cannot serve is refused.
-
-    Refused: a group's settings that the graph cannot honour (``FSDPState.settings_refused_when_compiled``),
-    and a local shard with FSDP2's all-gather extension (``fsdp_pre_all_gather``): the traced
-    unshard gathers the shard itself and would silently lose the extension.
-    """
-    from fsdp_compile.runtime import state as state_module
-    from fsdp_compile.annotations import BLOCK_FRAME_TOKEN
-    from fsdp_compile.passes.graph import PARAM_KEY, STATE_KEY, fsdp_annotation
-
-    traced = {(a[STATE_KEY], a[PARAM_KEY]) for node in gm.graph.nodes if (a := fsdp_annotation(node)) is not None}
-    # A block compiled as a frame is named in its graph by a token every such block shares: the block
-    # is the one whose frame Dynamo is tracing ([Note: blocks compiled as frames] in module.py).
-    block_frame = state_module.block_frame_in_trace()
-    for state in state_module.live_states():
-        tokens = {state.trace_token}
-        if state is block_frame:
-            tokens.add(BLOCK_FRAME_TOKEN)
-        read = [p for p in state.group.fsdp_params if any((t, p.fqn) in traced for t in tokens)] if state.group is not None else []
-        if not read:
-            continue
-        state.outermost().runs_compiled = True
-        refused = state.settings_refused_when_compiled()
-        if refused:
-            raise NotImplementedError(
-                f"fsdp_inductor: the fully_shard group '{state.group.label}' has settings the compiled graph "
-                "cannot honour: " + "; ".join(refused) + "."
-            )
-        for fsdp_param in read:
-            if fsdp_param.uses_all_gather_extension:
-                raise NotImplementedError(
-                    f"fsdp_inductor: '{fsdp_param.fqn}' (group '{state.group.label}') has an all-gather extension "
-                    "(fsdp_pre_all_gather / fsdp_post_all_gather), which the compiled graph does not run. Train it "
-                    "with the eager runtime, or compile with fsdp_compile.config.skip_fsdp_hooks = True."
-                )
+    return mark_fsdp_backend(backend)
 
 
 def _compile_with_inductor(
@@ -620,10 +348,10 @@ def _compile_with_inductor(
     config_patches = {**_settings_from_torch_compile(mode, options, pinned), **{k: v for k, (v, _) in pinned.items()}}
     refuse_tensor_parallel_graphs(example_inputs)
     check_collectives_match_across_ranks(gm)
-    admit_traced_parameters(gm)
-    _add_traced_op_to_inductors_decompositions()
+    check_parameters_read(gm)
+    torch_patches.require("traced all-gather in Inductor's decompositions")
     reach = output_reach(gm)
-    with _said_when_dynamo_falls_back("fsdp_inductor"), _region_schemas_kept():
+    with _said_when_dynamo_falls_back("fsdp_inductor"), region_schemas_kept():
         compiled = compile_fx(gm, example_inputs, config_patches=config_patches)
     return forget_unreached_gradients(compiled, reach, _runtime_gradient_delivery())
 
@@ -677,23 +405,6 @@ def _settings_from_torch_compile(
     return settings
 
 
-def _add_traced_op_to_inductors_decompositions() -> None:
-    """TRACED_OP_DECOMPOSITIONS in Inductor's own table. Not ``compile_fx(decompositions=...)``: that
-    table object goes into Inductor's FX-graph cache key, which cannot pickle it and then refuses
-    every graph (seen with torch 2.13: each process compiled everything again)."""
-    from torch._inductor import decomposition
-
-    from fsdp_compile.compile.param_reads import TRACED_OP_DECOMPOSITIONS
-
-    if all(op in decomposition.decompositions for op in TRACED_OP_DECOMPOSITIONS):
-        return
-    decomposition.decompositions.update(TRACED_OP_DECOMPOSITIONS)
-    # Inductor memoizes the table it selects: forget a copy taken before this addition.
-    memoized = getattr(decomposition, "fast_random_decomps", None)
-    if hasattr(memoized, "cache_clear"):
-        memoized.cache_clear()
-
-
 # [Note: Inductor's buffer reuse across nested regions]
 # torch 2.13's Inductor (CPU seen) computes a wrong gradient when a graph calls one nested compile
 # region three or more times with bfloat16 or float16 inputs: the first call's weight gradient
@@ -731,7 +442,7 @@ def _inductor_comm_passes_off() -> dict[str, Any]:
     return present
 
 
-@_fsdp_backend
+@mark_fsdp_backend
 def fsdp_aot_eager(
     gm: fx.GraphModule, example_inputs: Sequence[Any], mode: str | None = None, options: dict[str, Any] | None = None,
 ) -> Any:
@@ -750,11 +461,10 @@ def fsdp_aot_eager(
 
     from fsdp_compile import config
     from fsdp_compile.passes import apply_post_grad_passes
-    from fsdp_compile.compile.param_reads import TRACED_OP_DECOMPOSITIONS
 
     refuse_tensor_parallel_graphs(example_inputs)
     check_collectives_match_across_ranks(gm)
-    admit_traced_parameters(gm)
+    check_parameters_read(gm)
     pass_config = config.passes.resolved()
 
     def partition(joint: fx.GraphModule, joint_inputs: Any, **partition_kwargs: Any) -> Any:
@@ -770,7 +480,7 @@ def fsdp_aot_eager(
         return compiler
 
     reach = output_reach(gm)
-    with _said_when_dynamo_falls_back("fsdp_aot_eager"), _region_schemas_kept():
+    with _said_when_dynamo_falls_back("fsdp_aot_eager"), region_schemas_kept():
         compiled = aot_module_simplified(
             gm, example_inputs, fw_compiler=run_eagerly("forward"), bw_compiler=run_eagerly("backward"), partition_fn=partition,
             decompositions=TRACED_OP_DECOMPOSITIONS,
@@ -780,104 +490,7 @@ def fsdp_aot_eager(
 
 def _runtime_gradient_delivery() -> GradientDelivery:
     """The runtime's side of [Note: a graph output left out of the loss] (unreached.py)."""
-    from fsdp_compile.runtime.param_group import gradient_holder
-    from fsdp_compile.runtime.state import land_late_reductions
-
     return GradientDelivery(gradient_holder, land_late_reductions)
-
-
-# [Note: warm start across processes]
-# Inductor's FX graph cache keys a graph by pickling its example inputs. Our graphs take the
-# DTensor shards' DeviceMesh as opaque inputs, and torch pickles a mesh's whole __dict__ with the
-# memo on, whose bytes depend on object identities that differ from process to process: every
-# restart missed the cache and compiled again (seen with torch 2.13: 2 misses in a second process,
-# 2 hits with the reducer below). A mesh is keyed by what identifies it instead: device type,
-# ranks, dim names and process-group names (the graph takes the live mesh as an input at run
-# time, so nothing of it is baked into the cached code). Without the hook this torch offers, the
-# cache keeps its own behaviour.
-def _key_device_meshes_by_identity() -> None:
-    try:
-        from torch._inductor import codecache
-        from torch.distributed.device_mesh import DeviceMesh
-    except ImportError:
-        return
-    pickler = getattr(codecache, "FxGraphCachePickler", None)
-    reduce_opaque = getattr(pickler, "_reduce_fake_script_object", None)
-    ident = getattr(codecache, "_ident", None)
-    if reduce_opaque is None or ident is None or getattr(reduce_opaque, "_keys_meshes", False):
-        return
-
-    def reduce(self: Any, fake: Any) -> Any:
-        mesh = getattr(fake, "real_obj", None)
-        if isinstance(mesh, DeviceMesh):
-            groups = tuple(getattr(mesh, "_dim_group_names", None) or ())
-            return ident, (fake.script_class_name, (mesh.device_type, mesh.mesh.tolist(), mesh.mesh_dim_names, groups))
-        return reduce_opaque(self, fake)
-
-    reduce._keys_meshes = True  # type: ignore[attr-defined]
-    pickler._reduce_fake_script_object = reduce
-
-
-# [Note: a region body's schema, once per compile]
-# While AOTAutograd traces the joint graph, the autograd step of every nested compile region's call
-# (torch._ops' ``maybe_run_autograd`` for invoke_subgraph) asks the HOP for its schema, only to
-# refuse a body that writes to its inputs, and each ask traces the body again
-# (``materialize_as_graph``): 50 asks, 2.9 s of a 16-layer benchmark model's cold compile here,
-# growing with depth, for two bodies. While our backends compile, an answer is kept per body object,
-# identifier and operands' metadata (shape, strides, dtype, device, requires_grad): within one trace
-# every call of a body passes the same object, and its schema (argument kinds, written inputs) follows
-# from the body and the operands' types, not their values. The kept answers go with the compile.
-# Operands of symbolic sizes are not kept (a region then takes them only after a recompile with a
-# new shape, where each block's body is traced on its own anyway).
-_kept_region_schemas: dict[tuple, tuple[Any, Any]] | None = None
-
-
-def _operand_key(operand: Any) -> Any:
-    """What an operand's schema depends on, hashable; None where it has symbolic sizes (not kept)."""
-    if isinstance(operand, torch.Tensor):
-        sizes = (*operand.shape, *operand.stride())
-        if any(isinstance(size, torch.SymInt) for size in sizes):
-            return None
-        return (type(operand), sizes, operand.dtype, operand.device, operand.requires_grad)
-    if isinstance(operand, (bool, int, float, str, type(None))):
-        return (type(operand), operand)
-    return (type(operand), id(operand))  # a SymInt or an opaque object: the same one only
-
-
-@contextlib.contextmanager
-def _region_schemas_kept() -> Iterator[None]:
-    global _kept_region_schemas
-    outer = _kept_region_schemas
-    _kept_region_schemas = {} if outer is None else outer
-    try:
-        yield
-    finally:
-        _kept_region_schemas = outer
-
-
-def _keep_region_schemas() -> None:
-    """Wrap invoke_subgraph's ``gen_schema`` (once per process; a no-op on a torch without it)."""
-    try:
-        from torch._higher_order_ops.invoke_subgraph import InvokeSubgraphHOP
-    except ImportError:
-        return
-    generate = getattr(InvokeSubgraphHOP, "gen_schema", None)
-    if generate is None or getattr(generate, "_fsdp_compile_kept", False):
-        return
-
-    def gen_schema(self: Any, subgraph: Any, identifier: Any, *operands: Any) -> Any:
-        kept = _kept_region_schemas
-        operand_keys = tuple(_operand_key(operand) for operand in operands) if kept is not None else (None,)
-        if kept is None or None in operand_keys:
-            return generate(self, subgraph, identifier, *operands)
-        key = (id(subgraph), identifier, operand_keys)
-        entry = kept.get(key)
-        if entry is None or entry[0] is not subgraph:  # the body held in the entry keeps its id unique
-            entry = kept[key] = (subgraph, generate(self, subgraph, identifier, *operands))
-        return entry[1]
-
-    gen_schema._fsdp_compile_kept = True  # type: ignore[attr-defined]
-    InvokeSubgraphHOP.gen_schema = gen_schema
 
 
 def _register() -> None:
@@ -886,8 +499,6 @@ def _register() -> None:
     for name, backend in (("fsdp_inductor", fsdp_inductor), ("fsdp_aot_eager", fsdp_aot_eager)):
         if name not in _BACKENDS:
             register_backend(name=name)(backend)
-    _key_device_meshes_by_identity()
-    _keep_region_schemas()
 
 
 _register()
