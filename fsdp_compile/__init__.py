@@ -28,8 +28,8 @@ from fsdp_compile.api import (
     StateDictConfig,
     StateDictSettings,
     StateDictType,
-    fsdp1_kwargs,
 )
+from fsdp_compile.fsdp1 import fsdp1_kwargs
 from fsdp_compile.runtime.collectives import CollectiveRecord, record_collectives
 from fsdp_compile.runtime.mesh import DataParallelMeshDims
 from fsdp_compile.module import FSDPModule, fully_shard, register_fsdp_forward_method, share_comm_ctx

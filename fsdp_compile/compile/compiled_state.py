@@ -18,7 +18,7 @@ import torch.nn as nn
 from fsdp_compile import config
 from fsdp_compile.annotations import BLOCK_FRAME_TOKEN
 from fsdp_compile.compile import backend  # noqa: F401  registers backend="fsdp_aot_eager" for _gather_group_in_a_graph
-from fsdp_compile.compile.frames import BlockFrameHooks, blocks_as_frames_in_this_trace
+from fsdp_compile.compile.frames import BlockFrameFSDPState, blocks_as_frames_in_this_trace
 from fsdp_compile.compile.param_reads import trace_annotation, unshard_for_trace
 from fsdp_compile.compile.policy import settings_refused_when_compiled
 from fsdp_compile.compile.trace_context import (
@@ -48,7 +48,7 @@ def _gather_group_in_a_graph(state: "CompiledFSDPState") -> list[torch.Tensor]:
     return state.traced_unshard(group.fsdp_params)
 
 
-class CompiledFSDPState(BlockFrameHooks, FSDPState):
+class CompiledFSDPState(BlockFrameFSDPState, FSDPState):
     """An ``FSDPState`` whose module may run under torch.compile (every state ``fully_shard`` builds)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -2,7 +2,7 @@
 frame boundaries (forward and backward prefetch) and how its reduce-scatters are handed over late
 (docs/design.md section 5.4).
 
-Per block (the block's state, ``BlockFrameHooks``): its two prefetch slots (``FramePrefetch``), the
+Per block (the block's state, ``BlockFrameFSDPState``): its two prefetch slots (``FramePrefetch``), the
 block after it and before it in the learned order, what the groups outside blocks gathered this
 forward. Per model (its root's ``RootFrames``): the learned order's ends, the blocks registered
 for the frame ops by their shards' addresses, their late gradient sinks, the reductions handed over
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from fsdp_compile.runtime.param_group import FSDPParamGroup
 
 __all__ = [
-    "FramePrefetch", "RootFrames", "BlockFrameHooks", "blocks_as_frames_in_this_trace", "land_late_reductions",
+    "FramePrefetch", "RootFrames", "BlockFrameFSDPState", "blocks_as_frames_in_this_trace", "land_late_reductions",
     "gradient_holder",
 ]
 
@@ -86,7 +86,7 @@ _functional = torch.ops._c10d_functional
 # (_gather_in_frame below) the call finds its block by the shards' addresses (registered as the block's
 # compiled frame was entered, enter_block_frame), takes the all-gather the block before it issued for
 # it if one was issued on exactly these shards at these versions (else issues its own), and issues that
-# of the block after it (the order the last forward entered them in: BlockFrameHooks._learn_frame_order, the
+# of the block after it (the order the last forward entered them in: BlockFrameFSDPState._learn_frame_order, the
 # module tree's at the first), with the shards that block's graph gathered last time. So block i+1's
 # all-gather is in flight before block i's first matmul and runs while block i computes, as FSDP2's
 # eager forward prefetch; every block's graph is the same, the first, the last and the others; at most
@@ -99,7 +99,7 @@ _functional = torch.ops._c10d_functional
 # their own graph), the groups outside blocks. A prefetch is never read stale: one whose shards were
 # written since (the optimizer's step) is waited on and let go where the block's graph asks for its
 # all-gather; one no frame took (a block skipped on a step) is let go as the next forward's first frame
-# is entered (BlockFrameHooks.drop_frame_prefetch); a frame Dynamo runs eagerly hands it to its eager hooks
+# is entered (BlockFrameFSDPState.drop_frame_prefetch); a frame Dynamo runs eagerly hands it to its eager hooks
 # ([Note: frames Dynamo runs eagerly] in module.py).
 #
 # [Note: backward prefetch across block frames]
@@ -374,7 +374,7 @@ def _indices_in_group(state: "FSDPState", shards: list[torch.Tensor]) -> "tuple[
 serve_frame_ops(FrameOpsRuntime(_gather_in_frame, _deliver_gradient_now, _deliver_gradients_late))
 
 
-class BlockFrameHooks:
+class BlockFrameFSDPState:
     """The block-frame side of a ``CompiledFSDPState`` (mixed into it): what runs eagerly as a block's
     frame is entered, the root's hand-over of its bookkeeping around a compiled forward, and the
     prefetches across frames. See [Note: blocks compiled as frames]."""
