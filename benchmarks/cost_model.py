@@ -359,7 +359,7 @@ def trace_graphs(
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fsdp_compile.backend import observe_graphs
+    from fsdp_compile.compile.backend import observe_graphs
 
     if not dist.is_initialized():
         raise RuntimeError("cost_model: trace_graphs needs a process group; wrap it in fake_process_group(world_size)")

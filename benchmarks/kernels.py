@@ -51,7 +51,7 @@ from typing import Any, Callable
 import torch
 
 from fsdp_compile.kernels import reference
-from fsdp_compile.layout import ShardLayout
+from fsdp_compile.runtime.layout import ShardLayout
 
 try:
     # Importing the module defines torch.ops.fsdp.* (all_gather_copy_in, split_with_sizes_copy, chunk_cat).

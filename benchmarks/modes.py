@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 import fsdp_compile
-from fsdp_compile.backend import fsdp_inductor_with
+from fsdp_compile.compile.backend import fsdp_inductor_with
 from fsdp_compile.config import PassConfig
 from benchmarks import hf_llama
 from fsdp_compile.models import Transformer, TransformerConfig

@@ -28,16 +28,16 @@ from fsdp_compile.api import (
     StateDictConfig,
     StateDictSettings,
     StateDictType,
-    fsdp1_kwargs,
 )
-from fsdp_compile.collectives import CollectiveRecord, record_collectives
-from fsdp_compile.mesh import DataParallelMeshDims
-from fsdp_compile.module import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method, share_comm_ctx
-from fsdp_compile.param_group import TrainingState
+from fsdp_compile.fsdp1 import fsdp1_kwargs
+from fsdp_compile.runtime.collectives import CollectiveRecord, record_collectives
+from fsdp_compile.runtime.mesh import DataParallelMeshDims
+from fsdp_compile.module import FSDPModule, fully_shard, register_fsdp_forward_method, share_comm_ctx
+from fsdp_compile.runtime.param_group import TrainingState, UnshardHandle
 from fsdp_compile.optimizer_state_dict import optim_state_dict, optim_state_dict_to_load, rekey_optim_state_dict
-from fsdp_compile.param import ShardedState
-from fsdp_compile.state_dict import get_state_dict_type, state_dict_type
-from fsdp_compile.unshard_params import unshard_params
+from fsdp_compile.runtime.param import ShardedState
+from fsdp_compile.runtime.state_dict import get_state_dict_type, state_dict_type
+from fsdp_compile.runtime.unshard_params import unshard_params
 
 __all__ = [
     "fully_shard",
@@ -100,4 +100,4 @@ def _find_checkout_passes() -> None:
 
 _find_checkout_passes()
 
-from fsdp_compile import backend as _backend  # noqa: E402,F401  registers backend="fsdp_inductor"
+from fsdp_compile.compile import backend as _backend  # noqa: E402,F401  registers backend="fsdp_inductor"

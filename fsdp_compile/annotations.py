@@ -1,9 +1,9 @@
 """Keys of the FSDP annotation that traced nodes carry in ``node.meta["custom"]``.
 
-``fsdp_compile.traceable`` writes the per-parameter keys on every node of a parameter's traced
+``fsdp_compile.compile.param_reads`` writes the per-parameter keys on every node of a parameter's traced
 unshard; ``passes/bucket.py`` writes all of them on the nodes of a bucket. The passes read them
 through ``fsdp_compile.passes.graph`` (which re-exports these names). The keys live in a module of
-their own because traceable.py is imported before ``fsdp_compile.passes`` can be (a source
+their own because compile/param_reads.py is imported before ``fsdp_compile.passes`` can be (a source
 checkout maps ``passes/`` in late, see ``_find_checkout_passes``).
 
 Example::
@@ -18,7 +18,7 @@ __all__ = [
     "BUCKET_KEY", "GROUPS_KEY", "PARAMS_KEY", "BLOCK_FRAME_TOKEN", "fsdp_annotation",
 ]
 
-# Per parameter (traceable.py).
+# Per parameter (compile/param_reads.py).
 FSDP_ANNOTATION_KEY = "fsdp"  # True: the tag that makes a node an FSDP node
 GROUP_KEY = "fsdp_group"  # the fully_shard group's label; a merged bucket's labels joined by "+"
 PARAM_KEY = "fsdp_param"  # the parameter's FQN in its module
@@ -26,7 +26,7 @@ RESHARD_AFTER_FORWARD_KEY = "fsdp_reshard_after_forward"
 # The FSDPState's process-unique token: tells apart groups of the same label in two models.
 STATE_KEY = "fsdp_state"
 # STATE_KEY of every block compiled as a frame: one graph serves them all, so none is named in it
-# ([Note: blocks compiled as frames] in module.py).
+# ([Note: blocks compiled as frames] in frames.py).
 BLOCK_FRAME_TOKEN = -1
 
 # Per bucket (passes/bucket.py), beside the keys above.

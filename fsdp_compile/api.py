@@ -16,7 +16,6 @@ __all__ = [
     "BackwardPrefetch",
     "MixedPrecision",
     "CPUOffload",
-    "fsdp1_kwargs",
     "StateDictType",
     "StateDictConfig",
     "FullStateDictConfig",
@@ -129,7 +128,7 @@ class CPUOffloadPolicy(OffloadPolicy):
 # [Note: FSDP1 names are mappings, not a second runtime]
 # FSDP1 configured one wrapper class with enums; here each enum value maps onto fully_shard
 # arguments (or an FSDPModule setter), so an FSDP1 user gets FSDP1's behaviour from the one
-# runtime. ``fsdp1_kwargs`` is the mapping; ``FSDPModule.set_backward_prefetch`` the one knob
+# runtime. ``fsdp1_kwargs`` (fsdp1.py) is the mapping; ``FSDPModule.set_backward_prefetch`` the one knob
 # that is not a fully_shard argument.
 
 
@@ -214,51 +213,6 @@ class CPUOffload:
 
     def to_policy(self) -> OffloadPolicy:
         return CPUOffloadPolicy() if self.offload_params else OffloadPolicy()
-
-
-def fsdp1_kwargs(
-    sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD,
-    *,
-    mixed_precision: MixedPrecision | None = None,
-    cpu_offload: CPUOffload | None = None,
-    device_mesh: Any = None,
-) -> dict[str, Any]:
-    """The ``fully_shard`` keyword arguments that reproduce an FSDP1 configuration.
-
-    ``device_mesh``: for ``FULL_SHARD``/``SHARD_GRAD_OP`` a 1-D mesh (default: all ranks); for the
-    hybrid strategies a 2-D ``(replicate, shard)`` mesh (default: shard over the ranks of one node,
-    ``LOCAL_WORLD_SIZE`` or the CUDA device count); ``NO_SHARD`` builds ``(world, 1)`` itself.
-
-    Example::
-
-        kwargs = fsdp1_kwargs(ShardingStrategy.SHARD_GRAD_OP,
-                              mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
-        for block in model.layers:
-            fully_shard(block, **kwargs)
-        fully_shard(model, **kwargs)
-        model.set_backward_prefetch(BackwardPrefetch.BACKWARD_POST)
-    """
-    from fsdp_compile.mesh import default_mesh, hybrid_mesh, replicate_mesh
-
-    kwargs: dict[str, Any] = {}
-    if sharding_strategy == ShardingStrategy.NO_SHARD:
-        kwargs["mesh"] = device_mesh if device_mesh is not None else replicate_mesh()
-        kwargs["reshard_after_forward"] = False  # one-rank shards: re-gathering would only copy
-    elif sharding_strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
-        kwargs["mesh"] = device_mesh if device_mesh is not None else hybrid_mesh()
-        if kwargs["mesh"].ndim != 2:
-            raise ValueError(f"{sharding_strategy.name} needs a 2-D (replicate, shard) device_mesh, got {kwargs['mesh'].ndim}-D")
-        kwargs["reshard_after_forward"] = sharding_strategy == ShardingStrategy.HYBRID_SHARD
-    elif sharding_strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
-        kwargs["mesh"] = device_mesh if device_mesh is not None else default_mesh()
-        kwargs["reshard_after_forward"] = sharding_strategy == ShardingStrategy.FULL_SHARD
-    else:
-        raise ValueError(f"unknown sharding_strategy {sharding_strategy!r}; pass a ShardingStrategy member")
-    if mixed_precision is not None:
-        kwargs["mp_policy"] = mixed_precision.to_policy()
-    if cpu_offload is not None:
-        kwargs["offload_policy"] = cpu_offload.to_policy()
-    return kwargs
 
 
 class StateDictType(Enum):

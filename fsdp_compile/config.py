@@ -19,7 +19,7 @@ graph_check_timeout_s: float = 300.0
 
 # Under fsdp_inductor (and fsdp_aot_eager), where blocks are not compiled as frames (below), compile the
 # body of structurally identical fully_shard blocks once and reuse it (a nested compile region per block;
-# see [Note: compile once per block] in module.py). False, or another backend (backend.traced_for_an_fsdp_backend): every block is traced
+# see [Note: compile once per block] in regions.py). False, or another backend (trace_context.traced_for_an_fsdp_backend): every block is traced
 # and compiled inline, as one graph.
 compile_blocks_once: bool = True
 
@@ -30,7 +30,7 @@ compile_blocks_once: bool = True
 # default; False: the whole model is one graph, each block a nested compile region of it
 # (compile_blocks_once), its collectives graph nodes that the passes bucket and reorder across blocks,
 # at a compile time that grows with depth. fullgraph=True, which allows no frame, keeps the regions;
-# see [Note: blocks compiled as frames] in module.py.
+# see [Note: blocks compiled as frames] in frames.py.
 compile_blocks_as_frames: bool = True
 
 

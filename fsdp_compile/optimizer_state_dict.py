@@ -45,9 +45,9 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
 from fsdp_compile.api import OptimStateKeyType, StateDictSettings, StateDictType
-from fsdp_compile.compile_wrapper import COMPILE_WRAPPER_PREFIX
-from fsdp_compile.state import all_states_under
-from fsdp_compile.state_dict import get_state_dict_type
+from fsdp_compile.compile.compile_wrapper import COMPILE_WRAPPER_PREFIX
+from fsdp_compile.runtime.state import all_states_under
+from fsdp_compile.runtime.state_dict import get_state_dict_type
 
 __all__ = ["optim_state_dict", "optim_state_dict_to_load", "rekey_optim_state_dict"]
 

@@ -38,13 +38,13 @@ def apply_post_grad_passes(gm: fx.GraphModule, config) -> fx.GraphModule:
     dump_graph(gm, kind, "1-after-bucket", config)
     gm = reorder_collectives(gm, config)
     dump_graph(gm, kind, "2-after-reorder", config)
-    # [Note: prefetch across block frames] (and its backward's) in fsdp_compile/module.py: where the
+    # [Note: prefetch across block frames] in fsdp_compile/compile/frames.py (and its backward's) in fsdp_compile/module.py: where the
     # reorder pass placed a block frame's all-gather, it takes the one the block before it issued.
     if gather_frames_through_prefetch(gm.graph, backward=kind == "backward"):
         gm.graph.lint()
         gm.recompile()
         dump_graph(gm, kind, "3-after-frame-prefetch", config)
-    # [Note: late reduce-scatter wait across block frames] in fsdp_compile/module.py.
+    # [Note: late reduce-scatter wait across block frames] in compile/frames.py.
     if kind == "backward" and deliver_frame_reductions_late(gm.graph):
         gm.graph.lint()
         gm.recompile()

@@ -2,7 +2,7 @@
 
 Expects a partitioned forward or backward graph (AOTAutograd's, before or after Inductor's
 decompositions) whose per-parameter collectives carry ``node.meta["custom"]["fsdp_group"]``
-(``fsdp_compile.traceable``). Leaves, per group (and per process group and dtype), one
+(``fsdp_compile.compile.param_reads``). Leaves, per group (and per process group and dtype), one
 collective on a flat bucket. The all-gather's copy-in pads and casts each shard to ``param_dtype``
 as it writes the bucket (one op, or a ``cat`` of per-parameter casts Inductor fuses into the one
 kernel that writes it); the reduce-scatter's ``cat`` takes the ``reduce_dtype`` casts alike; no
@@ -93,7 +93,7 @@ def _shape(node: fx.Node) -> tuple[int, ...]:
 
 def _member_and_key(node: fx.Node, group: str) -> tuple[_Member, tuple] | None:
     """The member an annotated collective makes and the key of its bucket; None if it is not read
-    through one wait of a traced tensor (the shape traceable.py emits)."""
+    through one wait of a traced tensor (the shape compile/param_reads.py emits)."""
     wait = single_wait(node)
     source = node.args[0]
     if wait is None or not isinstance(source, fx.Node) or "val" not in source.meta or "val" not in wait.meta:

@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 
 import fsdp_compile.kernels  # noqa: F401 - registers torch.ops.fsdp_compile's copy ops (COPY_IN, COPY_OUT)
-import fsdp_compile.traceable  # noqa: F401 - registers torch.ops.fsdp_compile's frame ops (FRAME_GATHER, DELIVER_GRADIENT)
+import fsdp_compile.compile.ops  # noqa: F401 - registers torch.ops.fsdp_compile's traced and frame ops (FRAME_GATHER, DELIVER_GRADIENT)
 from fsdp_compile.annotations import (
     BLOCK_FRAME_TOKEN, BUCKET_KEY, FSDP_ANNOTATION_KEY, GROUP_KEY, GROUPS_KEY, PARAM_KEY, PARAMS_KEY, RESHARD_AFTER_FORWARD_KEY, STATE_KEY,
     fsdp_annotation,
@@ -44,10 +44,10 @@ REDUCE_SCATTER = _c10d.reduce_scatter_tensor.default
 ALL_REDUCE = _c10d.all_reduce.default  # HSDP: the reduced shard across replicas
 ALL_TO_ALL = _c10d.all_to_all_single.default  # CommPolicy's gradient wire (the reduce-scatter's stand-in)
 WAIT = _c10d.wait_tensor.default
-# A block frame's all-gather that takes (and issues) prefetches across frames, in forward or backward (traceable.py).
+# A block frame's all-gather that takes (and issues) prefetches across frames, in forward or backward (compile/ops.py).
 FRAME_GATHER = torch.ops.fsdp_compile.frame_all_gather.default
 # A block frame's reduced gradient handed to the runtime, as the graph traces it, and as the post-grad
-# pass leaves a bucket's reduce-scatter, in flight (traceable.py).
+# pass leaves a bucket's reduce-scatter, in flight (compile/ops.py).
 DELIVER_GRADIENT = torch.ops.fsdp_compile.deliver_reduced_gradient.default
 DELIVER_REDUCE_SCATTER_LATE = torch.ops.fsdp_compile.deliver_reduce_scatter_late.default
 # What issues work that a WAIT completes; a block frame's all-gather is one only after the passes
@@ -85,7 +85,7 @@ def collective_nodes(graph: fx.Graph, target: Any) -> list[fx.Node]:
 
 def single_wait(collective: fx.Node) -> fx.Node | None:
     """The one ``wait_tensor`` that reads ``collective``, or None if its result is read any other way:
-    traceable.py emits each collective so, and the passes move a collective only with its wait."""
+    compile/param_reads.py emits each collective so, and the passes move a collective only with its wait."""
     users = list(collective.users)
     if len(users) == 1 and users[0].target is WAIT:
         return users[0]

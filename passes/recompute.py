@@ -1,6 +1,6 @@
 """Joint-graph pass: groups with ``reshard_after_forward=True`` re-all-gather in backward.
 
-Expects the AOTAutograd joint graph of a model traced through ``fsdp_compile.traceable``:
+Expects the AOTAutograd joint graph of a model traced through ``fsdp_compile.compile.param_reads``:
 its unshard nodes carry ``node.meta["custom"]["fsdp"]``. Leaves those nodes (and the pure
 views of their output) tagged ``MUST_RECOMPUTE`` when they belong to the forward and their
 group reshards after forward, so the partitioner saves the small sharded input instead of the
@@ -9,7 +9,7 @@ full parameter and replays the all-gather in backward::
     before:  shard -> all_gather -> wait -> narrow -> mm        (full param saved for backward)
     after:   shard -> [all_gather -> wait -> narrow]^recompute -> mm   (shard saved)
 
-A block compiled as a nested region (see [Note: compile once per block] in module.py) takes its
+A block compiled as a nested region (see [Note: compile once per block] in regions.py) takes its
 unsharded parameters as inputs; the region's own partition saves them by returning them from its
 forward. Those pass-through outputs are first replaced by the region's inputs, so the outer
 partition sees the unshard chain feed the region's backward and replays it there too.
@@ -109,8 +109,8 @@ def read_region_saved_inputs_directly(graph: fx.Graph) -> int:
 
 
 def gather_frames_through_prefetch(graph: fx.Graph, backward: bool) -> int:
-    """See [Note: prefetch across block frames] and [Note: backward prefetch across block frames] in
-    fsdp_compile/module.py: in a block frame's forward or backward graph (post-grad, bucketed and
+    """See [Note: prefetch across block frames] in fsdp_compile/compile/frames.py and [Note: backward prefetch across block frames] in
+    compile/frames.py: in a block frame's forward or backward graph (post-grad, bucketed and
     reordered), the group's copy-in and all-gather become one ``fsdp_compile::frame_all_gather`` call
     on the same shards, in the same place; the wait stays where the reorder pass put it::
 
@@ -149,7 +149,7 @@ def gather_frames_through_prefetch(graph: fx.Graph, backward: bool) -> int:
 
 # What may lie between a block frame's reduce-scatter wait and a parameter's delivered gradient: its
 # columns of the bucket (a dim-0 slice), its shape, the gradient's divide and cast, all of which the
-# runtime's copy-out does again ([Note: late reduce-scatter wait across block frames] in module.py).
+# runtime's copy-out does again ([Note: late reduce-scatter wait across block frames] in frames.py).
 _DELIVERY_STEPS = (
     torch.ops.aten.slice.Tensor, torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
     torch.ops.aten.div.Tensor, torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default,
@@ -190,7 +190,7 @@ def _delivery_chain(wait: fx.Node) -> tuple[list[tuple[int, int, fx.Node]], list
 
 
 def deliver_frame_reductions_late(graph: fx.Graph) -> int:
-    """See [Note: late reduce-scatter wait across block frames] in fsdp_compile/module.py: in a block
+    """See [Note: late reduce-scatter wait across block frames] in compile/frames.py: in a block
     frame's backward graph (post-grad, bucketed and reordered), a bucket's reduce-scatter whose
     result only goes to its parameters' deliveries leaves the graph in flight, handed to the runtime
     at the graph's end; the wait, the copy-out and the deliveries go::

@@ -195,12 +195,12 @@ def count_process_group_calls():
     """Names of the torch.distributed collectives (and group creations) called inside the block.
 
     Patches the functions where our code and torch's look them up (``torch.distributed``, its
-    ``distributed_c10d`` module and ``fsdp_compile.collectives``' aliases), so an error can be shown
+    ``distributed_c10d`` module and ``fsdp_compile.runtime.collectives``' aliases), so an error can be shown
     to come before anything another rank would have to match.
     """
     import torch.distributed.distributed_c10d as c10d
 
-    import fsdp_compile.collectives as ours
+    import fsdp_compile.runtime.collectives as ours
 
     calls: list[str] = []
     patched: list[tuple[object, str, object]] = []

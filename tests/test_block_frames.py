@@ -16,12 +16,13 @@ import torch.nn as nn
 import fsdp_compile
 from benchmarks.measure import count_collectives
 from fsdp_compile import MixedPrecisionPolicy
-from fsdp_compile.backend import observe_graphs
+from fsdp_compile.compile.backend import observe_graphs
 from fsdp_compile.models import Transformer, TransformerBlock, TransformerConfig
-from fsdp_compile.param_group import FSDPParamGroup
+from fsdp_compile.runtime.param_group import FSDPParamGroup
 from fsdp_compile.passes.dump import collective_timeline
 from fsdp_compile.passes.graph import ALL_GATHER, DELIVER_REDUCE_SCATTER_LATE, FRAME_GATHER, GROUP_KEY, REDUCE_SCATTER, WAIT, fsdp_annotation
-from fsdp_compile.state import _FrameGather, live_states
+from fsdp_compile.compile.frames import FramePrefetch as _FrameGather
+from fsdp_compile.runtime.state import live_states
 from torch.utils.checkpoint import checkpoint
 from fsdp_testing import blocks_as_frames
 from test_compile_blocks import _IndexedBlock, _modules_run_eagerly, _param_gap, _shard, _tokens, _train, steady_state_schedule

@@ -86,7 +86,7 @@ def _compiled_vs_eager(
     eager_losses = _train(eager, batches, micro_batches=micro_batches)
     torch._dynamo.utils.counters.clear()
     previous_ca = torch._dynamo.config.compiled_autograd
-    with fsdp_compile.backend.observe_graphs() as graphs:
+    with fsdp_compile.compile.backend.observe_graphs() as graphs:
         try:
             if mode == "fsdp_inductor":
                 runner = torch.compile(compiled, backend=backend, fullgraph=True)
@@ -328,7 +328,7 @@ def _fallback_and_fsdp_inductor_in_one_process():
         next_token_loss(runner(local), local).backward()
 
     def first_and_second_step(runner):
-        with fsdp_compile.backend.observe_graphs() as graphs:
+        with fsdp_compile.compile.backend.observe_graphs() as graphs:
             step(runner, batches[0])
         with count_collectives() as counts:
             step(runner, batches[1])

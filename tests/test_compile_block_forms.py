@@ -19,7 +19,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from fsdp_compile import MixedPrecisionPolicy, fully_shard
-from fsdp_compile.state import FSDPState
+from fsdp_compile.compile.compiled_state import CompiledFSDPState as FSDPState
 
 DIM, VOCAB, LAYERS, STEPS = 16, 32, 2, 2
 _HOOKS = (FSDPState._pre_forward_hook, FSDPState._post_forward_hook)

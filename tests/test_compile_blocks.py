@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from torch._dynamo.utils import compilation_time_metrics
 
 from fsdp_compile import MixedPrecisionPolicy, fully_shard
-from fsdp_compile.backend import observe_graphs
+from fsdp_compile.compile.backend import observe_graphs
 from fsdp_compile.passes.graph import ALL_GATHER, GROUP_KEY, fsdp_annotation, pass_counters
 from fsdp_compile.models import Transformer, TransformerConfig, next_token_loss
 from fsdp_testing import TinyLM, blocks_as_frames
@@ -523,7 +523,7 @@ def _whole_model_with_eager_frames(case: str):
             raise torch._subclasses.fake_tensor.DataDependentOutputException(torch.ops.aten._local_scalar_dense.default)
 
         aot_autograd.aot_module_simplified = failing
-    from fsdp_compile.state import FSDPState
+    from fsdp_compile.runtime.state import FSDPState
 
     pre_forward = FSDPState._pre_forward
     eager_hooks_ran: set[str] = set()

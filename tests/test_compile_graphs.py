@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fsdp_compile
-from fsdp_compile.graph_check import collective_fingerprint
+from fsdp_compile.compile.graph_check import collective_fingerprint
 from fsdp_compile.passes.graph import GROUP_KEY, PARAM_KEY, fsdp_annotation, pass_counters
 from test_passes_bucket import _traced
 
@@ -125,7 +125,7 @@ def _one_rank_compiles_a_graph_the_other_runs_eagerly() -> tuple[float, str]:
     import torch.distributed as dist
 
     from fsdp_compile import config
-    from fsdp_compile.graph_check import check_collectives_match_across_ranks
+    from fsdp_compile.compile.graph_check import check_collectives_match_across_ranks
 
     if dist.get_rank() != 1:
         return 0.0, ""
@@ -176,7 +176,7 @@ def test_dynamo_graph_traces_each_parameter_read_as_one_all_gather_op(fake_world
     """[Note: the traced all-gather is one op]: Dynamo records one fsdp_compile::all_gather_shard node
     per managed parameter (no autograd.Function to speculate anywhere in the graph or its regions),
     and the backend's decomposition turns each into the functional all-gather the passes read."""
-    from fsdp_compile.backend import fsdp_aot_eager, observe_graphs
+    from fsdp_compile.compile.backend import fsdp_aot_eager, observe_graphs
     from fsdp_testing import TinyLM
 
     torch._dynamo.reset()

@@ -497,10 +497,10 @@ def test_torch_compile_mode_applies_without_cuda_graphs_and_says_so(fake_world, 
 def test_torch_compile_options_fsdp_inductor_cannot_take_are_refused_before_any_collective(
     fake_world, inductor_calls, monkeypatch, options, named,
 ):
-    import fsdp_compile.backend
+    import fsdp_compile.compile.backend
 
     checked: list[object] = []
-    monkeypatch.setattr(fsdp_compile.backend, "check_collectives_match_across_ranks", checked.append)
+    monkeypatch.setattr(fsdp_compile.compile.backend, "check_collectives_match_across_ranks", checked.append)
     tokens, compiled = _compile_first_forward("fsdp_inductor", options=options)
     with pytest.raises(Exception, match=re.escape(named)) as raised:
         compiled(tokens)

@@ -32,9 +32,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fsdp_compile
-import fsdp_compile.comm_context as comm_context
+import fsdp_compile.runtime.comm_context as comm_context
 from conftest import REPO_DIR, TESTS_DIR, free_port
-from fsdp_compile.device import DeviceHandle
+from fsdp_compile.runtime.device import DeviceHandle
 from fsdp_compile.models import Transformer, TransformerConfig, next_token_loss
 from fsdp_testing import blocks_as_frames, build_reference, global_batches, shard_model
 
@@ -534,7 +534,7 @@ def compiled_quantized_triton(compiled_triton):
 @pytest.mark.parametrize("block", [128, 48])
 def test_triton_quantized_copy_in_equals_reference_on_cuda(cuda, compiled_quantized_triton, block, src, buffer_dtype):
     from fsdp_compile.kernels import quantized_reference
-    from fsdp_compile.layout import ShardLayout
+    from fsdp_compile.runtime.layout import ShardLayout
     from test_quant_kernels import SENTINEL, group
 
     world, rank = 2, 0
@@ -582,7 +582,7 @@ def test_triton_quantized_copy_out_equals_reference_on_cuda(cuda, compiled_quant
 @pytest.mark.parametrize("src, dst", [(torch.bfloat16, torch.float32), (torch.float32, torch.float16)], ids=["bf16-fp32", "fp32-fp16"])
 def test_triton_sum_rows_copy_out_equals_reference_on_cuda(cuda, compiled_quantized_triton, src, dst, post_divide, accumulate, own_rank):
     from fsdp_compile.kernels import quantized_reference
-    from fsdp_compile.layout import ShardLayout
+    from fsdp_compile.runtime.layout import ShardLayout
     from test_quant_kernels import SENTINEL, group
 
     world = 4

@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from fsdp_compile import fully_shard
 from fsdp_compile.models import Transformer
-from fsdp_compile.module import check_param_device
+from fsdp_compile.runtime.fully_shard_args import check_param_device
 from fsdp_testing import SMALL, build_reference, global_batches, shard_model
 
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import fsdp_compile
 from fsdp_compile import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, fsdp1_kwargs
 from fsdp_compile.models import next_token_loss
-from fsdp_compile.state import state_of
+from fsdp_compile.runtime.state import state_of
 from fsdp_testing import (
     SMALL, build_reference, global_batches, local_part, max_param_difference, train_reference, train_sharded,
 )

@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fsdp_compile
-import fsdp_compile.collectives as collectives
+import fsdp_compile.runtime.collectives as collectives
 from fsdp_compile import fully_shard, register_fsdp_forward_method
 from fsdp_compile.models import Transformer, TransformerConfig, next_token_loss
 from fsdp_testing import CountingAllGather, CountingReduceScatter, count_process_group_calls, max_difference, shard_model

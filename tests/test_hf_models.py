@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_compile import fully_shard
-from fsdp_compile.backend import observe_graphs
+from fsdp_compile.compile.backend import observe_graphs
 from fsdp_compile.passes.graph import GROUP_KEY, REDUCE_SCATTER, fsdp_annotation
 
 pytest.importorskip("transformers")

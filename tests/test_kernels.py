@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from fsdp_compile.kernels import reference
-from fsdp_compile.layout import ShardLayout
+from fsdp_compile.runtime.layout import ShardLayout
 
 # The interpreter evaluates NaN inputs with numpy, which warns; NaNs are part of the test data.
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")

@@ -11,7 +11,7 @@ import torch.fx as fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp_compile
-from fsdp_compile.backend import observe_graphs
+from fsdp_compile.compile.backend import observe_graphs
 from fsdp_compile.config import PassConfig
 from fsdp_compile.models import Transformer, TransformerConfig
 from fsdp_compile.passes import apply_post_grad_passes

@@ -302,7 +302,7 @@ def test_backends_with_different_passes_never_share_graphs():
     passes, each get their own graph (the benchmark's pass-ablation modes rely on it)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from fsdp_compile.backend import fsdp_inductor_with, observe_graphs
+    from fsdp_compile.compile.backend import fsdp_inductor_with, observe_graphs
     from fsdp_compile.models import Transformer
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)

@@ -16,7 +16,7 @@ import torch
 
 from fsdp_compile.kernels import quantized_reference
 from fsdp_compile.kernels.quantized_reference import dequantize_blocks, quantize_blocks
-from fsdp_compile.layout import ShardLayout
+from fsdp_compile.runtime.layout import ShardLayout
 
 WIRES = [torch.int8, torch.float8_e4m3fn]
 WIRE_IDS = ["int8", "e4m3"]

@@ -12,9 +12,9 @@ import itertools
 import torch
 import torch.distributed as dist
 
-import fsdp_compile.comm_context as comm_context
+import fsdp_compile.runtime.comm_context as comm_context
 from fsdp_compile import fully_shard
-from fsdp_compile.device import DeviceHandle
+from fsdp_compile.runtime.device import DeviceHandle
 from fsdp_compile.models import next_token_loss
 from fsdp_testing import build_reference, global_batches, local_part, shard_model
 

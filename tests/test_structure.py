@@ -1,5 +1,5 @@
 """The import graph, by parsing the source (every import statement, those inside functions and under
-TYPE_CHECKING too): which modules import each other (docs/design.md, "Imports are not yet one-way").
+TYPE_CHECKING too): which modules import each other (docs/design.md section 2: layers that import one way).
 An edge goes to the module an import names (``from package import module``: that module), as
 ``structure.py`` of the project's tools counts them; a package's ``__init__`` is not an edge of
 every import of one of its modules."""
@@ -10,13 +10,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# The one group of modules that still import each other (docs/design.md; here with the passes
-# package's __init__, which re-exports the passes). A module may leave it; none may join it, and no
-# second group may form.
-KNOWN_CYCLE = {
-    "fsdp_compile.passes", "fsdp_compile.backend", "fsdp_compile.state", "fsdp_compile.traceable", "fsdp_compile.passes.bucket",
-    "fsdp_compile.passes.dump", "fsdp_compile.passes.graph", "fsdp_compile.passes.recompute", "fsdp_compile.passes.reorder",
-}
+# Modules that import each other: none. A module may not join a cycle, and no cycle may form.
+KNOWN_CYCLE: set[str] = set()
 
 
 def _module_name(path: Path) -> str:
@@ -87,18 +82,38 @@ def modules_in_cycles(graph: dict[str, set[str]]) -> list[set[str]]:
     return components
 
 
-def test_no_module_joins_an_import_cycle_and_no_new_cycle_forms():
+def test_the_import_graph_has_no_cycle():
     graph = import_graph()
-    assert "fsdp_compile.state" in graph and "fsdp_compile.passes.bucket" in graph, sorted(graph)  # parsed the tree
+    assert "fsdp_compile.runtime.state" in graph and "fsdp_compile.passes.bucket" in graph, sorted(graph)  # parsed the tree
     components = modules_in_cycles(graph)
-    assert len(components) <= 1, components
-    for component in components:
-        assert component <= KNOWN_CYCLE, sorted(component - KNOWN_CYCLE)
+    assert all(component <= KNOWN_CYCLE for component in components), components
+    assert components == [], components
+
+
+def test_the_runtime_imports_nothing_of_the_compile_layer_nor_the_composition_root():
+    graph = import_graph()
+    upward = {
+        (module, imported) for module, targets in graph.items() if module.startswith("fsdp_compile.runtime")
+        for imported in targets
+        if imported.startswith(("fsdp_compile.compile", "fsdp_compile.passes")) or imported == "fsdp_compile.module"
+    }
+    assert upward == set(), sorted(upward)
+
+
+def test_the_passes_import_only_the_ops_vocabulary_of_the_compile_layer():
+    graph = import_graph()
+    reached = {
+        (module, imported) for module, targets in graph.items() if module.startswith("fsdp_compile.passes")
+        for imported in targets
+        if imported.startswith(("fsdp_compile.runtime", "fsdp_compile.compile")) and imported != "fsdp_compile.compile.ops"
+        or imported == "fsdp_compile.module"
+    }
+    assert reached == set(), sorted(reached)
 
 
 def test_the_communication_context_imports_no_module_above_it():
-    imported = import_graph()["fsdp_compile.comm_context"]
-    assert imported <= {"fsdp_compile.device"}, imported
+    imported = import_graph()["fsdp_compile.runtime.comm_context"]
+    assert imported <= {"fsdp_compile.runtime.device"}, imported
 
 
 def test_the_cycle_finder_finds_a_cycle():

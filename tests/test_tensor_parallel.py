@@ -509,7 +509,7 @@ def _error_messages() -> dict[str, str]:
     from torch.distributed.tensor.placement_types import _StridedShard
 
     from fsdp_compile import DataParallelMeshDims
-    from fsdp_compile.backend import fsdp_inductor
+    from fsdp_compile.compile.backend import fsdp_inductor
 
     fully_shard = fsdp_compile.fully_shard
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -586,7 +586,7 @@ class CompiledTpParity(NamedTuple):
 def _compiled_tp_parity():
     """The whole model under fsdp_aot_eager (fsdp_inductor's tracing, checks and passes without code
     generation) against eager and the single-process reference; what the graphs hold."""
-    from fsdp_compile.backend import observe_graphs
+    from fsdp_compile.compile.backend import observe_graphs
     from fsdp_compile.passes.graph import ALL_GATHER, ALL_REDUCE, FRAME_GATHER, REDUCE_SCATTER, collective_nodes, fsdp_annotation
 
     torch._dynamo.reset()

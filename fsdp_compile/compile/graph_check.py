@@ -46,9 +46,29 @@ __all__ = [
 
 _PREFIX = "fsdp_compile/collectives"
 _POLL_S = 0.02
-# Bumped by every rank that raises a divergence: the ranks that diverged (all of them raise) start
-# afresh, so a caller that catches the error and goes on is not judged by the keys left behind.
-_generation = 0
+
+
+class _StoreChecks:
+    """What one store (the default process group's) has seen checked: the generation of its keys,
+    bumped by every rank that raises a divergence (the ranks that diverged, all of them raising, start
+    afresh, so a caller that catches the error and goes on is not judged by the keys left behind),
+    and the block sequences every rank agreed on. A new default store (a re-initialized process
+    group) starts a new one."""
+
+    def __init__(self, store: object) -> None:
+        self.store = store  # held: the same object names the same store on each lookup
+        self.generation = 0
+        self.frame_sequences_agreed: set[tuple[int, str, str]] = set()
+
+
+_checks: _StoreChecks | None = None
+
+
+def _checks_of(store: object) -> _StoreChecks:
+    global _checks
+    if _checks is None or _checks.store is not store:
+        _checks = _StoreChecks(store)
+    return _checks
 
 
 def _collective_calls(gm: fx.GraphModule) -> list[str]:
@@ -80,7 +100,7 @@ def _qualified_name(target: object) -> str:
 
 
 def _is_functional_collective(target: object) -> bool:
-    # fsdp_compile::all_gather_shard: a parameter's traced all-gather (see traceable.py).
+    # fsdp_compile::all_gather_shard: a parameter's traced all-gather (see ops.py).
     return _qualified_name(target).startswith(("_c10d_functional::", "fsdp_compile::"))
 
 
@@ -132,16 +152,17 @@ def check_block_frames_match_across_ranks(model: str, entered: Sequence[str], fi
     ``fingerprint`` hashes them (block_frames_fingerprint). Where this sequence is new to this rank,
     waits for every rank to have entered the same before any collective of the frame is issued.
     See [Note: ranks entering different block frames]."""
-    # Run at every block of every forward: a sequence agreed before costs this lookup only.
-    agreed = (_generation, model, fingerprint)
-    if agreed in _frame_sequences_agreed:
-        return
     found = _store_and_ranks()
     if found is None:
         return
+    # Run at every block of every forward: a sequence agreed before costs this lookup only.
+    checks = _checks_of(found[0])
+    agreed = (checks.generation, model, fingerprint)
+    if agreed in checks.frame_sequences_agreed:
+        return
     key = f"frames/{model}/{len(entered)}"
     _await_every_rank(found, key, fingerprint, " -> ".join(entered), _raise_frames_divergence)
-    _frame_sequences_agreed.add(agreed)
+    checks.frame_sequences_agreed.add(agreed)
 
 
 END_OF_FORWARD = "end of forward"
@@ -171,7 +192,6 @@ def block_frames_fingerprint(previous: str, label: str) -> str:
 # compiled one waits on a new graph or sequence, and both raise. A compiled rank that meets nothing
 # new (every graph and sequence agreed before) does not wait: the eager rank raises after
 # config.graph_check_timeout_s, and the compiled one stays in its collective.
-_frame_sequences_agreed: set[tuple[int, str, str]] = set()
 
 
 def _await_every_rank(
@@ -184,7 +204,7 @@ def _await_every_rank(
     from fsdp_compile import config
 
     store, rank, world = found
-    prefix = f"{_PREFIX}/{_generation}/{key}"
+    prefix = f"{_PREFIX}/{_checks_of(store).generation}/{key}"
     if description:
         store.set(f"{prefix}/described/{fingerprint}", description)
     store.set(f"{prefix}/{fingerprint}/{rank}", "1")
@@ -216,8 +236,7 @@ def _await_every_rank(
 
 
 def _raise_divergence(store: object, prefix: str, rank: int, mine: str, others: dict[int, str]) -> None:
-    global _generation
-    _generation += 1
+    _checks_of(store).generation += 1
     listed = "; ".join([f"rank {rank} traced collectives {mine}"] + [f"rank {r} traced collectives {fp}" for r, fp in others.items()])
     raise RuntimeError(
         f"fsdp_inductor: ranks traced graphs with different collectives ({listed}); ranks {sorted([rank, *others])} "
@@ -228,8 +247,7 @@ def _raise_divergence(store: object, prefix: str, rank: int, mine: str, others: 
 
 
 def _raise_frames_divergence(store: object, prefix: str, rank: int, mine: str, others: dict[int, str]) -> None:
-    global _generation
-    _generation += 1
+    _checks_of(store).generation += 1
 
     def entered(fingerprint: str) -> str:
         key = f"{prefix}/described/{fingerprint}"

@@ -16,7 +16,7 @@ registers three hooks on each module it takes (``register_state_dict_hooks``):
 
 Each hook handles exactly "its" entries: its group's parameters, plus the buffers and unmanaged
 parameters of its subtree that no nested ``fully_shard`` module owns. The keys of
-``torch.compile(model)`` are the original names too: see compile_wrapper.py.
+``torch.compile(model)`` are the original names too: see compile/compile_wrapper.py.
 """
 from __future__ import annotations
 
@@ -40,10 +40,9 @@ from fsdp_compile.api import (
     StateDictSettings,
     StateDictType,
 )
-from fsdp_compile.collectives import gather_full
-from fsdp_compile.compile_wrapper import install_compile_wrapper_hook
-from fsdp_compile.param import FSDPParam
-from fsdp_compile.state import FSDPState, all_states_under, state_of
+from fsdp_compile.runtime.collectives import gather_full
+from fsdp_compile.runtime.param import FSDPParam
+from fsdp_compile.runtime.state import FSDPState, all_states_under, state_of
 
 __all__ = ["state_dict_type", "get_state_dict_type", "register_state_dict_hooks"]
 
@@ -137,7 +136,6 @@ def register_state_dict_hooks(state: FSDPState) -> None:
         module.register_state_dict_pre_hook(functools.partial(_pre_state_dict_hook, state))
         module.register_state_dict_post_hook(functools.partial(_post_state_dict_hook, state, index))
         module.register_load_state_dict_pre_hook(functools.partial(_pre_load_state_dict_hook, state, index))
-    install_compile_wrapper_hook()
 
 
 def _pre_state_dict_hook(state: FSDPState, module: nn.Module, prefix: str, keep_vars: bool) -> None:

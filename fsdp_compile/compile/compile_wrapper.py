@@ -1,10 +1,11 @@
 """State-dict keys of ``torch.compile(model)``: the original names, not ``_orig_mod.``-prefixed.
 
 ``torch.compile(model)`` returns a wrapper (``OptimizedModule``) that holds the model as its child
-``_orig_mod``, so nn.Module would prefix every key with ``_orig_mod.``. A global
-module-registration hook (installed by the first ``fully_shard``) sees a wrapper adopt a model
-with ``fully_shard`` modules and gives the wrapper its own ``state_dict``, which strips the prefix,
-and a load pre-hook, which adds it to keys that lack it. Both spellings load; ``get_state_dict`` /
+``_orig_mod``, so nn.Module would prefix every key with ``_orig_mod.``. Where the user's compile is
+seen, as the wrapper is built (a patch of ``OptimizedModule.__init__``, in torch_patches.py, applied
+by the first ``fully_shard``), a wrapper whose model holds ``fully_shard`` modules gets its own
+``state_dict``, which strips the prefix, and a load pre-hook, which adds it to keys that lack it;
+any other wrapper, and every other module, is left alone. Both spellings load; ``get_state_dict`` /
 ``set_state_dict`` and ``model.compile()`` (in place, no wrapper) give the original names as well.
 
 DCP's ``get_model_state_dict`` is the one caller that must get the keys as nn.Module makes them:
@@ -15,45 +16,33 @@ listed in ``torch.distributed.checkpoint.state_dict._patched_state_dict`` (the r
 """
 from __future__ import annotations
 
-import functools
 import weakref
 
 import torch
 import torch.nn as nn
 
-from fsdp_compile.state import all_states_under
+from fsdp_compile.runtime.state import all_states_under
 
-__all__ = ["install_compile_wrapper_hook", "COMPILE_WRAPPER_PREFIX"]
+__all__ = ["name_keys_as_the_model_does", "COMPILE_WRAPPER_PREFIX"]
 
 _COMPILE_WRAPPER_CHILD = "_orig_mod"
 COMPILE_WRAPPER_PREFIX = _COMPILE_WRAPPER_CHILD + "."
 
 
-@functools.cache
-def install_compile_wrapper_hook() -> None:
-    """Once per process: see the note above on ``torch.compile(model)``'s ``_orig_mod.`` prefix."""
-    nn.modules.module.register_module_module_registration_hook(_on_module_registered)
-
-
-def _on_module_registered(parent: nn.Module, name: str, child: nn.Module | None) -> None:
-    from torch._dynamo.eval_frame import OptimizedModule
-
-    # Inside a compiled region (compiled autograd wraps its graphs in torch.compile) Dynamo would
-    # trace this hook on a half-built wrapper; such wrappers never hold a user's model anyway.
-    if name != _COMPILE_WRAPPER_CHILD or torch.compiler.is_compiling():
-        return
-    if not isinstance(parent, OptimizedModule) or child is None:
-        return
-    if not all_states_under([child]):
+def name_keys_as_the_model_does(wrapper: nn.Module) -> None:
+    """As ``torch.compile(model)`` builds its wrapper: see the note above. Wrappers of models without
+    ``fully_shard`` modules are left alone."""
+    child = getattr(wrapper, _COMPILE_WRAPPER_CHILD, None)
+    if not isinstance(child, nn.Module) or not all_states_under([child]):
         return
     from torch.distributed.checkpoint import state_dict as dcp_state_dict
 
     bypassed_by_dcp = getattr(dcp_state_dict, "_patched_state_dict", None)
     if bypassed_by_dcp is None:  # a torch without DCP's registry: keep nn.Module's prefixed keys
         return
-    parent.state_dict = _state_dict_under_original_names(parent)
-    bypassed_by_dcp.add(parent.state_dict)
-    parent.register_load_state_dict_pre_hook(_add_compile_wrapper_prefix)
+    wrapper.state_dict = _state_dict_under_original_names(wrapper)
+    bypassed_by_dcp.add(wrapper.state_dict)
+    wrapper.register_load_state_dict_pre_hook(_add_compile_wrapper_prefix)
 
 
 def _state_dict_under_original_names(wrapper: nn.Module):

@@ -13,9 +13,9 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.nn.utils.stateless import _reparametrize_module
 
 from fsdp_compile.api import MixedPrecisionPolicy
-from fsdp_compile.layout import ShardLayout
-from fsdp_compile.optimizer_check import mark_replaced, mark_unsharded
-from fsdp_compile.mesh import MeshInfo, PostForwardMeshInfo, TensorParallelLayout
+from fsdp_compile.runtime.layout import ShardLayout
+from fsdp_compile.runtime.optimizer_check import mark_replaced, mark_unsharded
+from fsdp_compile.runtime.mesh import MeshInfo, PostForwardMeshInfo, TensorParallelLayout
 
 __all__ = ["ShardedState", "ParamRef", "FSDPParam"]
 
@@ -113,10 +113,10 @@ class FSDPParam:
         self.staged_accumulated_grad: torch.Tensor | None = None
         # The same for the reduce-scattered sum awaiting its all-reduce ([Note: deferred all-reduce]).
         self.staged_deferred_all_reduce: torch.Tensor | None = None
-        # See [Note: late reduce-scatter wait across block frames] in module.py: the sink its block
+        # See [Note: late reduce-scatter wait across block frames] in frames.py: the sink its block
         # frame's graph hands its gradient over with, and the shard that graph reads, without the
         # autograd edge to the parameter that would run its post-accumulate-grad hooks a second time.
-        self.late_gradient_sink = torch.zeros(1, device=self.device, requires_grad=True)
+        self.gradient_handover_sink = torch.zeros(1, device=self.device, requires_grad=True)
         self.detached_sharded_param: torch.Tensor | None = None
         self.sharded_state = ShardedState.SHARDED
         self.register_everywhere(self.sharded_param)
@@ -141,7 +141,7 @@ class FSDPParam:
         reduce-scatters it with that step's gradient. Eagerly, post-backward moves the gradient there
         (``unsharded_accumulated_grad``); compiled, the traced unshard routes the gradient to the
         leaf, so autograd accumulates it there, and the synced graph's root pre-forward takes the
-        sum out of ``.grad`` for the traced unshard to add (state.py, traceable.py). One place for
+        sum out of ``.grad`` for the traced unshard to add (the root's pre-forward, compile/param_reads.py). One place for
         both, so eager and compiled micro-batches can mix. The leaf has the parameter's full shape
         but, with zero strides, one element of storage.
         """
@@ -574,6 +574,6 @@ class FSDPParam:
 def parameters_placed_for_trace(module: nn.Module, tensors: dict[str, torch.Tensor]) -> Any:
     """A context in which ``module._parameters[name]`` holds ``tensors[name]``, restored on exit: how
     a block region's body reads its unsharded parameters ([Note: compile once per block] in
-    module.py). torch's ``_reparametrize_module``, which Dynamo traces as a swap of the parameter
+    regions.py). torch's ``_reparametrize_module``, which Dynamo traces as a swap of the parameter
     dict rather than a side effect, so the traced body stays reusable across blocks."""
     return _reparametrize_module(module, tensors)

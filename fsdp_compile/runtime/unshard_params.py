@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fsdp_compile.collectives import gather_full
-from fsdp_compile.param import FSDPParam
-from fsdp_compile.state import FSDPState, all_states_under, state_of
+from fsdp_compile.runtime.collectives import gather_full
+from fsdp_compile.runtime.param import FSDPParam
+from fsdp_compile.runtime.state import FSDPState, all_states_under, state_of
 
 __all__ = ["unshard_params"]
 

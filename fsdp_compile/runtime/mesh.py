@@ -94,8 +94,22 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
     return torch.device(mesh.device_type)
 
 
-# Keyed by the default group too: a re-initialized process group needs new meshes.
-_default_meshes: dict[tuple[str, int], DeviceMesh] = {}
+class _MeshesAndGroups:
+    """The meshes and process groups fully_shard made, the one owner of all of them. Creating one is
+    collective, so every rank makes each once and every later call reuses it; they live as long as
+    the process (as the process groups themselves do). Keyed by the default group where a
+    re-initialized process group needs new ones."""
+
+    def __init__(self) -> None:
+        self.default_meshes: dict[tuple[str, int], DeviceMesh] = {}
+        self.fsdp1_meshes: dict[tuple[str, int, int], DeviceMesh] = {}  # FSDP1's sharding strategies (fsdp1_kwargs)
+        self.post_forward_groups: dict[tuple[int, ...], tuple[dist.ProcessGroup, list[int]]] = {}
+        self.separate_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        # Each pair's meshes are held too, so their ids stay theirs.
+        self.joint_meshes: dict[tuple[int, int], tuple[DeviceMesh, DeviceMesh, DeviceMesh]] = {}
+
+
+_made = _MeshesAndGroups()
 
 
 def default_mesh() -> DeviceMesh:
@@ -107,9 +121,9 @@ def default_mesh() -> DeviceMesh:
         )
     device_type = _default_device_type()
     key = (device_type, id(dist.group.WORLD))
-    if key not in _default_meshes:
-        _default_meshes[key] = init_device_mesh(device_type, (dist.get_world_size(),))
-    return _default_meshes[key]
+    if key not in _made.default_meshes:
+        _made.default_meshes[key] = init_device_mesh(device_type, (dist.get_world_size(),))
+    return _made.default_meshes[key]
 
 
 def _default_device_type() -> str:
@@ -118,15 +132,14 @@ def _default_device_type() -> str:
 
 
 # --- FSDP1's sharding strategies (fsdp1_kwargs) ---------------------------------------------------
-_fsdp1_meshes: dict[tuple[str, int, int], DeviceMesh] = {}
 
 
 def _fsdp1_mesh_of_shape(replicate: int, shard: int) -> DeviceMesh:
     device_type = _default_device_type()
     key = (device_type, replicate, shard)
-    if key not in _fsdp1_meshes:  # creating a mesh is collective: once per shape, on every rank
-        _fsdp1_meshes[key] = init_device_mesh(device_type, (replicate, shard), mesh_dim_names=("replicate", "shard"))
-    return _fsdp1_meshes[key]
+    if key not in _made.fsdp1_meshes:  # creating a mesh is collective: once per shape, on every rank
+        _made.fsdp1_meshes[key] = init_device_mesh(device_type, (replicate, shard), mesh_dim_names=("replicate", "shard"))
+    return _made.fsdp1_meshes[key]
 
 
 def replicate_mesh() -> DeviceMesh:
@@ -176,9 +189,6 @@ def mesh_info_for(mesh: DeviceMesh, dp_mesh_dims: DataParallelMeshDims | None = 
     )
 
 
-_post_forward_groups: dict[tuple[int, ...], tuple[dist.ProcessGroup, list[int]]] = {}
-
-
 def post_forward_mesh_info_for(info: MeshInfo, post_forward_size: int) -> PostForwardMeshInfo:
     """Consecutive blocks of ``post_forward_size`` ranks of each shard group (e.g. one node each).
 
@@ -188,15 +198,12 @@ def post_forward_mesh_info_for(info: MeshInfo, post_forward_size: int) -> PostFo
     mesh_ranks = info.mesh.mesh.reshape(-1, info.shard_size)  # one row per shard group
     blocks = [row[start : start + post_forward_size].tolist() for row in mesh_ranks for start in range(0, info.shard_size, post_forward_size)]
     key = (id(dist.group.WORLD), post_forward_size) + tuple(rank for block in blocks for rank in block)
-    if key not in _post_forward_groups:
+    if key not in _made.post_forward_groups:
         my_group, _ = dist.new_subgroups_by_enumeration(blocks)
         my_block = next(block for block in blocks if dist.get_rank() in block)
-        _post_forward_groups[key] = (my_group, my_block)
-    group, block = _post_forward_groups[key]
+        _made.post_forward_groups[key] = (my_group, my_block)
+    group, block = _made.post_forward_groups[key]
     return PostForwardMeshInfo(group, post_forward_size, block.index(dist.get_rank()))
-
-
-_separate_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
 
 def separate_group_of(group: dist.ProcessGroup) -> dist.ProcessGroup:
@@ -207,9 +214,9 @@ def separate_group_of(group: dist.ProcessGroup) -> dist.ProcessGroup:
     """
     ranks = tuple(dist.get_process_group_ranks(group))
     key = (id(dist.group.WORLD),) + ranks
-    if key not in _separate_groups:
-        _separate_groups[key] = dist.new_group(list(ranks), use_local_synchronization=True)
-    return _separate_groups[key]
+    if key not in _made.separate_groups:
+        _made.separate_groups[key] = dist.new_group(list(ranks), use_local_synchronization=True)
+    return _made.separate_groups[key]
 
 
 def _spmd_mesh_info(mesh: DeviceMesh, dims: DataParallelMeshDims) -> MeshInfo:
@@ -317,14 +324,11 @@ class TensorParallelLayout:
         return self.unsharded(local).full_tensor()
 
 
-_joint_meshes: dict[tuple[int, int], tuple[DeviceMesh, DeviceMesh, DeviceMesh]] = {}
-
-
 def _joint_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
     key = (id(dp_mesh), id(tp_mesh))
-    if key not in _joint_meshes:  # the meshes are held too, so their ids stay theirs
-        _joint_meshes[key] = (dp_mesh, tp_mesh, DeviceMesh._concatenate([dp_mesh, tp_mesh]))
-    return _joint_meshes[key][2]
+    if key not in _made.joint_meshes:
+        _made.joint_meshes[key] = (dp_mesh, tp_mesh, DeviceMesh._concatenate([dp_mesh, tp_mesh]))
+    return _made.joint_meshes[key][2]
 
 
 def tensor_parallel_layout(param: DTensor, info: MeshInfo, shard_dim: int, where: str) -> TensorParallelLayout:

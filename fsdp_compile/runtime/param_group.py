@@ -3,50 +3,23 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import weakref
 from enum import Enum, auto
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 
-from fsdp_compile import collectives
+from fsdp_compile.runtime import collectives
 from fsdp_compile.api import CommPolicy
-from fsdp_compile.collectives import (
+from fsdp_compile.runtime.collectives import (
     PendingAllGather, PendingPackedAllGather, PendingQuantizedAllGather, PendingReduceScatter, ReduceSpec,
 )
-from fsdp_compile.comm_context import CommContext
+from fsdp_compile.runtime.comm_context import CommContext
 from fsdp_compile.kernels import ops, quantized, quantized_reference
-from fsdp_compile.mesh import MeshInfo, PostForwardMeshInfo
-from fsdp_compile.param import FSDPParam, ShardedState
+from fsdp_compile.runtime.mesh import MeshInfo, PostForwardMeshInfo
+from fsdp_compile.runtime.param import FSDPParam, ShardedState
 
-__all__ = ["TrainingState", "FSDPParamGroup", "owner_of_late_gradient_sink", "gradient_holder"]
-
-# Each parameter's late_gradient_sink, by address: the group and parameter a block frame's backward
-# graph (one for every block of its structure) hands a reduced gradient for
-# ([Note: late reduce-scatter wait across block frames] in module.py).
-_owners_by_late_sink: "dict[int, tuple[weakref.ref[FSDPParamGroup], int]]" = {}
-
-
-def owner_of_late_gradient_sink(sink: torch.Tensor) -> "tuple[FSDPParamGroup, FSDPParam]":
-    """The group and parameter whose ``late_gradient_sink`` is ``sink``."""
-    reference, index = _owners_by_late_sink.get(sink.data_ptr(), (None, -1))
-    group = reference() if reference is not None else None
-    if group is None:
-        raise RuntimeError("fsdp_compile: a compiled backward handed over a gradient for a parameter no live fully_shard group owns")
-    return group, group.fsdp_params[index]
-
-
-def gradient_holder(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor whose ``.grad`` a compiled graph input's gradient ends in: the parameter a block
-    frame's late gradient sink delivers to, else the input itself (a parameter, or a no-sync sink)."""
-    if tensor.numel() == 1 and not isinstance(tensor, torch.nn.Parameter):
-        reference, index = _owners_by_late_sink.get(tensor.data_ptr(), (None, -1))
-        group = reference() if reference is not None else None
-        if group is not None and group.fsdp_params[index].late_gradient_sink is tensor:
-            return group.fsdp_params[index].sharded_param
-    return tensor
-
+__all__ = ["TrainingState", "FSDPParamGroup", "UnshardHandle"]
 
 class _OneRankUnshard:
     """The pending unshard of a group over one rank: nothing in flight; the copies run at the wait
@@ -108,7 +81,6 @@ class FSDPParamGroup:
         self.comm_policy = comm_policy
         for index, fsdp_param in enumerate(fsdp_params):
             fsdp_param.index_in_group = index
-            _owners_by_late_sink[fsdp_param.late_gradient_sink.data_ptr()] = (weakref.ref(self), index)
         self.modules = modules
         self.label = label
         self.mesh_info = mesh_info
@@ -430,7 +402,7 @@ class FSDPParamGroup:
 
     def hold_reduction(self, params: list[FSDPParam], pending: collectives.PendingReduceScatter) -> None:
         """Keep a reduce-scatter a compiled backward issued for ``params`` (this group's) until
-        ``finish_reduction``; see [Note: late reduce-scatter wait across block frames] in module.py."""
+        ``finish_reduction``; see [Note: late reduce-scatter wait across block frames] in frames.py."""
         if self._reduction_in_flight is not None:
             self.finish_reduction()
         self._reduction_in_flight = (pending, params)
@@ -555,3 +527,15 @@ class FSDPParamGroup:
 
     def unsharded_storage_bytes(self) -> int:
         return sum(p.unsharded_storage_bytes() for p in self.fsdp_params)
+
+
+class UnshardHandle:
+    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` makes the parameters usable."""
+
+    def __init__(self, groups: list[FSDPParamGroup]) -> None:
+        self._groups = groups
+
+    def wait(self) -> None:
+        for group in self._groups:
+            group.wait_for_unshard()
+        self._groups = []

@@ -1,69 +1,38 @@
-"""What reading a managed parameter becomes under Dynamo (docs/design.md section 5.1).
+"""The custom ops compiled graphs hold: one vocabulary that the graph passes, the backends and the
+run-time side of block frames all name (docs/design.md section 5.1).
 
-[Note: parameter reads under torch.compile]
-Every module holding a managed parameter gets a class with one property per parameter name
-(installed by ``fully_shard``; the state-dict FQNs are untouched since the parameter stays in
-``_parameters``). Eagerly the property returns whatever the hooks registered (sharded DTensor
-or unsharded tensor). While Dynamo traces (and ``config.skip_fsdp_hooks`` is off) the hooks
-stand aside and the property returns ``unshard(sharded)`` instead (inside a block's nested
-compile region, where the unsharded parameter is registered as a plain tensor, that tensor:
-[Note: compile once per block] in module.py):
-
-    local shard --pad--> --cast param_dtype--> all_gather --wait--> [:size] --> full parameter
-    grad shard <--cast orig-- /post <--wait-- reduce_scatter(sum) <-- /pre <--cast reduce_dtype-- grad
-
-so the graph carries one all-gather per parameter read and one reduce-scatter per gradient,
-each node annotated (``node.meta["custom"]``) with its group and parameter for the passes.
-The arithmetic (casts, divide factors, padding) is the eager runtime's, so the compiled path
-reproduces its numerics.
+``fsdp_compile::all_gather_shard`` is what a managed parameter's read traces to ([Note: the traced
+all-gather is one op]); ``shard_rank`` reads the rank when a graph runs; the three frame ops
+(``frame_all_gather``, ``deliver_reduced_gradient``, ``deliver_reduce_scatter_late``) cross block
+frames at run time. What those three do when a graph runs lives in ``frames.py``, which serves them
+(``serve_frame_ops``) as it is imported: this module imports nothing of the project but the kernels,
+so the graph passes import it without the runtime.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-import torch.fx.traceback as fx_traceback
 
-from fsdp_compile import config
-from fsdp_compile.annotations import FSDP_ANNOTATION_KEY, GROUP_KEY, PARAM_KEY, RESHARD_AFTER_FORWARD_KEY, STATE_KEY
-from fsdp_compile.collectives import ReduceSpec
 from fsdp_compile.kernels import quantized_reference
-from fsdp_compile.layout import ShardLayout
-from fsdp_compile.param_group import TrainingState
-
-if TYPE_CHECKING:
-    from fsdp_compile.mesh import TensorParallelLayout
-    from fsdp_compile.param import FSDPParam
-    from fsdp_compile.state import FSDPState
 
 __all__ = [
-    "trace_annotation", "unshard_for_trace", "issue_frame_prefetch", "frame_all_gather", "install_traced_param_access", "FSDP_ANNOTATION_KEY",
-    "TRACED_OP_DECOMPOSITIONS",
+    "TRACED_OP_DECOMPOSITIONS", "gather_shard", "pad_rows", "frame_all_gather", "deliver_reduced_gradient", "deliver_reduce_scatter_late",
+    "serve_frame_ops",
 ]
 
 _functional = torch.ops._c10d_functional
 
 
-def trace_annotation(group: str, fqn: str, reshard_after_forward: bool, state_token: int) -> dict[str, object]:
-    """What each node of one parameter's traced unshard carries in ``node.meta["custom"]``."""
-    return {
-        FSDP_ANNOTATION_KEY: True,
-        GROUP_KEY: group,
-        PARAM_KEY: fqn,
-        RESHARD_AFTER_FORWARD_KEY: reshard_after_forward,
-        STATE_KEY: state_token,
-    }
-
-
-def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+def pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     """``tensor`` with ``rows`` zero rows appended on dim 0 (an op even when ``rows`` is 0)."""
     # constant_pad_nd, the op F.pad lowers to: Dynamo traces F.pad's Python wrapper at every read.
     return torch.constant_pad_nd(tensor, [0, 0] * (tensor.dim() - 1) + [0, rows])
 
 
-def _gather(
+def gather_shard(
     padded_shard: torch.Tensor, param_dtype: torch.dtype, shard_size: int, shard_group_name: str,
     quantize: tuple[torch.dtype, int] | None = None,
 ) -> torch.Tensor:
@@ -165,10 +134,10 @@ def _all_gather_shard_forward(
     late_sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Padded local shard (orig dtype, dim-0 view) -> gathered [world * chunk, ...] in param_dtype;
-    ``late_sink``: the parameter's ``late_gradient_sink``, given where its reduced gradient goes to
-    the runtime rather than out of the graph ([Note: late reduce-scatter wait across block frames])."""
+    ``late_sink``: the parameter's ``gradient_handover_sink``, given where its reduced gradient goes to
+    the runtime rather than out of the graph ([Note: late reduce-scatter wait across block frames] in frames.py)."""
     quantize = None if quantize_dtype is None else (quantize_dtype, quantize_block_size)
-    return _gather(padded_shard, param_dtype, shard_size, shard_group_name, quantize)
+    return gather_shard(padded_shard, param_dtype, shard_size, shard_group_name, quantize)
 
 
 _all_gather_shard = torch.library.custom_op(
@@ -204,7 +173,7 @@ def _reduce_gathered_grad(ctx, grad: torch.Tensor) -> tuple:
     if ctx.has_accumulated:
         accumulated = saved.pop(0)
         # Eagerly the accumulated sum absorbs this step's gradient; the same addition, padded.
-        grad = grad + _pad_rows(accumulated, grad.shape[0] - accumulated.shape[0])
+        grad = grad + pad_rows(accumulated, grad.shape[0] - accumulated.shape[0])
     if ctx.pre_divide != 1.0:
         grad = grad / ctx.pre_divide
     if ctx.wire_dtype is not None:
@@ -236,57 +205,28 @@ _all_gather_shard.register_autograd(_reduce_gathered_grad, setup_context=_save_r
 TRACED_OP_DECOMPOSITIONS = {torch.ops.fsdp_compile.all_gather_shard.default: _all_gather_shard_forward}
 
 
-class _AccumulateWithoutSync(torch.autograd.Function):
-    """The full parameter of a no-sync step: its gradient goes to the accumulation sink's
-    ``.grad`` (autograd sums it there) instead of a reduce-scatter; see [Note: no-sync accumulation]."""
+class FrameOpsRuntime(NamedTuple):
+    """What the frame ops do when a graph runs (``frames.py``): the all-gather handed across block
+    frames, and the reduced gradients handed to the runtime now or late."""
 
-    @staticmethod
-    def forward(ctx, full: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.sink_dtype = sink.dtype
-        return full.view_as(full)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return None, grad.to(ctx.sink_dtype)
+    gather_in_frame: Callable[..., torch.Tensor]
+    deliver_gradient_now: Callable[[torch.Tensor, torch.Tensor], None]
+    deliver_gradients_late: Callable[[torch.Tensor, torch.Tensor, list[torch.Tensor]], None]
 
 
-def unshard_for_trace(
-    sharded: torch.Tensor, layout: ShardLayout, param_dtype: torch.dtype, spec: ReduceSpec, annotation: dict[str, object],
-    sink: torch.Tensor, requires_gradient_sync: bool, accumulated: torch.Tensor | None,
-    deferred: torch.Tensor | None = None, deferred_sink: torch.Tensor | None = None,
-    quantize: tuple[torch.dtype, int] | None = None, tensor_parallel: "TensorParallelLayout | None" = None,
-    late_sink: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The full parameter from its sharded DTensor, as traceable functional collectives.
-
-    ``sink`` is the parameter's accumulation leaf ([Note: no-sync accumulation] in param.py): a
-    no-sync step's gradient goes there. A synced step reduces its gradient plus ``accumulated``
-    (the sum taken from the sink, or None; Dynamo guards on which, so each case compiles once).
-    HSDP: ``deferred`` is the reduce-scattered sum of steps that skipped the all-reduce, added
-    before this step's; ``deferred_sink`` (when this step skips it too) receives the sum instead
-    ([Note: deferred all-reduce] in param.py). ``quantize``: ``(wire dtype, block size)`` of
-    CommPolicy's quantized all-gather, or None. ``tensor_parallel``: a tensor-parallel parameter's
-    layout ([Note: FSDP over tensor-parallel parameters] in mesh.py): the gather over dp gives this
-    rank's TP piece, returned as the user's DTensor, whose operations trace TP's own collectives.
-    ``late_sink``: the parameter's ``late_gradient_sink`` where its reduced gradient is handed to the
-    runtime, not returned ([Note: late reduce-scatter wait across block frames] in module.py).
-    """
-    full = _unshard_local(
-        sharded, layout, param_dtype, spec, annotation, sink, requires_gradient_sync, accumulated, deferred, deferred_sink,
-        quantize, late_sink,
-    )
-    return full if tensor_parallel is None else tensor_parallel.unsharded(full)
+# Set once, by frames.py as it is imported (the package imports it before any graph can run).
+_frame_ops_runtime: FrameOpsRuntime | None = None
 
 
-def issue_frame_prefetch(
-    shards: list[torch.Tensor], padded_numels: list[int], param_dtype: torch.dtype, shard_size: int, shard_group_name: str,
-) -> torch.Tensor:
-    """A block frame's group all-gather as ``frame_all_gather`` issues it (one flat buffer, the eager
-    runtime's fused copy-in), returned in flight; the graph that reads it waits on it. See [Note:
-    prefetch across block frames] in module.py."""
-    with torch.no_grad():
-        flat = torch.ops.fsdp_compile.all_gather_copy_in_functional(shards, padded_numels, param_dtype)
-        return _functional.all_gather_into_tensor(flat, shard_size, shard_group_name)
+def serve_frame_ops(runtime: FrameOpsRuntime) -> None:
+    global _frame_ops_runtime
+    _frame_ops_runtime = runtime
+
+
+def _served() -> FrameOpsRuntime:
+    if _frame_ops_runtime is None:
+        raise RuntimeError("fsdp_compile: a block frame's op ran before fsdp_compile.compile.frames was imported (import fsdp_compile first)")
+    return _frame_ops_runtime
 
 
 @torch.library.custom_op(
@@ -301,10 +241,8 @@ def frame_all_gather(
     all-gather (copy-in and all-gather, left in flight for the graph's wait): the all-gather the block
     that ran before it issued for it (in forward the block before it, in backward the block after it),
     else one issued now; either way it then issues that of the block that runs next. See [Note:
-    prefetch across block frames] and [Note: backward prefetch across block frames] in module.py."""
-    from fsdp_compile.state import gather_in_frame
-
-    return gather_in_frame(shards, padded_numels, param_dtype, shard_size, shard_group_name, backward)
+    prefetch across block frames] in frames.py and [Note: backward prefetch across block frames] in frames.py."""
+    return _served().gather_in_frame(shards, padded_numels, param_dtype, shard_size, shard_group_name, backward)
 
 
 @frame_all_gather.register_fake
@@ -321,10 +259,8 @@ def deliver_reduced_gradient(reduced: torch.Tensor, late_sink: torch.Tensor) -> 
     the dim-0 view, divided and cast) into its sharded ``.grad``, as autograd would, and return the
     sink's gradient (zeros). The graph's own form; the post-grad pass makes a bucket's deliveries
     late (``deliver_reduce_scatter_late``). See [Note: late reduce-scatter wait across block frames]
-    in module.py."""
-    from fsdp_compile.state import deliver_gradient_now
-
-    deliver_gradient_now(reduced, late_sink)
+    in frames.py."""
+    _served().deliver_gradient_now(reduced, late_sink)
     return torch.zeros_like(late_sink)
 
 
@@ -339,113 +275,11 @@ def deliver_reduce_scatter_late(in_flight: torch.Tensor, reduce_input: torch.Ten
     to the runtime, which waits on it and writes the sinks' parameters' gradients once the next
     block's backward hands over its own (or the backward ends). ``reduce_input`` is kept alive until
     then. Returns the sinks' gradient (zeros). See [Note: late reduce-scatter wait across block
-    frames] in module.py."""
-    from fsdp_compile.state import deliver_gradients_late
-
-    deliver_gradients_late(in_flight, reduce_input, late_sinks)
+    frames] in frames.py."""
+    _served().deliver_gradients_late(in_flight, reduce_input, late_sinks)
     return torch.zeros_like(late_sinks[0])
 
 
 @deliver_reduce_scatter_late.register_fake
 def _deliver_reduce_scatter_late_shape(in_flight: torch.Tensor, reduce_input: torch.Tensor, late_sinks: list[torch.Tensor]) -> torch.Tensor:
     return torch.empty_like(late_sinks[0])
-
-
-def _unshard_local(
-    sharded: torch.Tensor, layout: ShardLayout, param_dtype: torch.dtype, spec: ReduceSpec, annotation: dict[str, object],
-    sink: torch.Tensor, requires_gradient_sync: bool, accumulated: torch.Tensor | None,
-    deferred: torch.Tensor | None, deferred_sink: torch.Tensor | None, quantize: tuple[torch.dtype, int] | None,
-    late_sink: torch.Tensor | None,
-) -> torch.Tensor:
-    with fx_traceback.annotate(annotation):
-        local = layout.to_dim0(sharded.to_local())
-        # Always pad (possibly by 0 rows): every rank must trace the same ops (fingerprint check).
-        padded = _pad_rows(local, layout.chunk - local.shape[0])
-        if not requires_gradient_sync:
-            gathered = _gather(padded.detach(), param_dtype, spec.shard_size, spec.shard_group_name, quantize)
-            return _AccumulateWithoutSync.apply(layout.full_from_gathered(gathered), sink)
-        if accumulated is not None:
-            accumulated = layout.to_dim0(accumulated)
-        quantize_dtype, quantize_block_size = quantize if quantize is not None else (None, 0)
-        gathered = torch.ops.fsdp_compile.all_gather_shard(
-            padded, accumulated, deferred, deferred_sink, param_dtype, spec.reduce_dtype, spec.grad_dtype, spec.pre_divide,
-            spec.post_divide, spec.shard_size, spec.wire_dtype, quantize_dtype, quantize_block_size, spec.shard_group_name,
-            spec.replicate_group_name, late_sink,
-        )
-        return layout.full_from_gathered(gathered)
-
-
-_TRACED_PARAMS_ATTR = "_fsdp_compile_traced_params"
-_property_classes: dict[tuple[type, frozenset[str]], type] = {}
-
-
-def _param_property(name: str) -> property:
-    def read(module: torch.nn.Module) -> torch.Tensor:
-        fsdp_param, state = module.__dict__[_TRACED_PARAMS_ATTR][name]
-        registered = module._parameters[name]
-        if (state.per_block_compiled or config.compile_blocks_as_frames) and state.training_state is not TrainingState.IDLE:
-            # FSDP2's recipe: the eager hooks around the block's graph registered the unsharded
-            # parameter (so did hooks Dynamo ran eagerly around a frame of blocks compiled as frames).
-            # IDLE: a compiled caller traced this block with its hooks standing aside (the whole model
-            # compiled over compiled blocks), so its reads trace the unshard below.
-            return registered
-        if not isinstance(registered, torch.nn.Parameter):  # a block region's input, see module.py
-            return registered
-        if torch.compiler.is_compiling():
-            if config.skip_fsdp_hooks:
-                return registered
-            if state.gathers_once_across_frames:
-                return state.unsharded_across_frames(fsdp_param)
-            first = fsdp_param.refs[0]
-            return state.traced_unshard([fsdp_param], first_place=first.module is module and first.name == name)[0]
-        if state.outermost().frames_forward_running:
-            return _read_eagerly(state, fsdp_param, registered)
-        return registered
-
-    return property(read, doc=f"FSDP-managed parameter '{name}' (see [Note: parameter reads under torch.compile])")
-
-
-@torch._dynamo.disable(recursive=True)
-def _read_eagerly(state: "FSDPState", fsdp_param: "FSDPParam", registered: torch.Tensor) -> torch.Tensor:
-    # A read that runs eagerly under a compiled model (Dynamo gave up on its frame, or skips this
-    # property's code: a frame of it compiled to no graph before, under the eager fallback) is not
-    # compiled piecewise either: its frames would split the group's gather over several graphs.
-    if state.reads_across_frames_eagerly():
-        # The model runs compiled: what a graph gathered before it, or the group gathered in a small
-        # graph of its own (bucketed as the model's graphs are).
-        return state.unsharded_across_frames(fsdp_param)
-    return registered
-
-
-def _assign_managed(module: torch.nn.Module, name: str, value: object) -> None:
-    """``module.<name> = value``: a managed parameter's new value is sharded in place of the old one
-    (``FSDPParam.replace_sharded_param``), so eager and compiled runs both see it."""
-    managed = module.__dict__.get(_TRACED_PARAMS_ATTR, {})
-    if name in managed and isinstance(value, torch.Tensor):
-        fsdp_param, _ = managed[name]
-        fsdp_param.replace_sharded_param(value)
-        return
-    type(module)._fsdp_compile_property_base.__setattr__(module, name, value)
-
-
-def install_traced_param_access(module: torch.nn.Module, name: str, fsdp_param: object, state: object) -> None:
-    """Route ``module.<name>`` through the property above; see [Note: parameter reads under torch.compile].
-
-    ``state`` (the parameter's ``FSDPState``) builds the traced unshard from the group's settings at
-    trace time, so Dynamo guards on them: a changed setting recompiles.
-    """
-    managed = module.__dict__.setdefault(_TRACED_PARAMS_ATTR, {})
-    managed[name] = (fsdp_param, state)
-    base = type(module)
-    if getattr(base, "_fsdp_compile_property_base", None) is not None:
-        base = base._fsdp_compile_property_base
-    key = (base, frozenset(managed))
-    if key not in _property_classes:
-        namespace = {param_name: _param_property(param_name) for param_name in managed}
-        namespace["_fsdp_compile_property_base"] = base
-        namespace["__setattr__"] = _assign_managed
-        namespace["__module__"] = base.__module__
-        namespace["__qualname__"] = base.__qualname__
-        # Same name as the user's class: printed models and error messages stay familiar.
-        _property_classes[key] = type(base.__name__, (base,), namespace)
-    module.__class__ = _property_classes[key]

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 import torch
 
-from fsdp_compile.device import DeviceHandle, make_device_handle
+from fsdp_compile.runtime.device import DeviceHandle, make_device_handle
 
 __all__ = ["CommContext", "ReducingGroup", "InFlightAllGather"]
 

@@ -1,0 +1,255 @@
+"""``CompiledFSDPState``: the hooks of one ``fully_shard`` call as torch.compile sees them.
+
+The eager runtime's ``FSDPState`` (runtime/state.py) knows nothing of Dynamo; ``fully_shard`` builds
+this subclass, which adds what the compile layer needs of a module: whether its forward compiles as
+a block frame, a nested region or inline; the hooks standing aside while Dynamo traces (the traced
+parameter reads gather instead, [Note: parameter reads under torch.compile] in param_reads.py); the
+traced unshard of its group; and, mixed in from frames.py, the block-frame side (what happens when
+a block frame is entered).
+"""
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn as nn
+
+from fsdp_compile import config
+from fsdp_compile.annotations import BLOCK_FRAME_TOKEN
+from fsdp_compile.compile import backend  # noqa: F401  registers backend="fsdp_aot_eager" for _gather_group_in_a_graph
+from fsdp_compile.compile.frames import BlockFrameFSDPState, blocks_as_frames_in_this_trace
+from fsdp_compile.compile.param_reads import trace_annotation, unshard_for_trace
+from fsdp_compile.compile.policy import settings_refused_when_compiled
+from fsdp_compile.compile.trace_context import (
+    inside_a_compiled_call, traced_for_an_fsdp_backend, traced_in_a_callers_higher_order_op, traced_under_compiled_autograd,
+)
+from fsdp_compile.runtime.param_group import TrainingState
+from fsdp_compile.runtime.state import FSDPState
+
+if TYPE_CHECKING:
+    from fsdp_compile.runtime.param import FSDPParam
+
+__all__ = ["CompiledFSDPState"]
+
+_trace_tokens = itertools.count()
+
+
+@torch.compile(backend="fsdp_aot_eager", dynamic=False)
+def _gather_group_in_a_graph(state: "CompiledFSDPState") -> list[torch.Tensor]:
+    """A group's first read under blocks compiled as frames, where that read runs eagerly (Dynamo gave
+    up on its frame, or skips the read's code for good: a trace of it under the eager fallback held
+    no op): its traced unshard in a graph of its own, whose passes bucket it into the group's one
+    all-gather and, in backward, one reduce-scatter, as in any graph (run eagerly, each parameter's
+    op gathered and reduced alone). No code generation: the graph holds only the collectives and
+    their copies."""
+    group = state.group
+    assert group is not None
+    return state.traced_unshard(group.fsdp_params)
+
+
+class CompiledFSDPState(BlockFrameFSDPState, FSDPState):
+    """An ``FSDPState`` whose module may run under torch.compile (every state ``fully_shard`` builds)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Said once per module: its forward ran eagerly inside the compiled model ([Note: frames
+        # Dynamo runs eagerly] in module.py).
+        self.told_it_ran_eagerly = False
+        # A norm layer keeping running statistics (BatchNorm): in training its forward writes its
+        # buffers in place, which a nested compile region refuses (see compiles_as_region).
+        self.keeps_running_stats = any(
+            isinstance(sub, nn.modules.batchnorm._NormBase) and sub.track_running_stats
+            for module in self.modules for sub in module.modules()
+        )
+        self.has_group = self.group is not None
+        self.single_module = len(self.modules) == 1
+        # block.compile(): the forward compiled alone, the hooks eager around it (FSDPModule.compile).
+        self.per_block_compiled = False
+        # skip_fsdp_hooks: see [Note: the eager fallback's graph breaks] in module.py.
+        self.eager_pre_forward = torch._dynamo.disable(self._pre_forward, recursive=True)
+        self.eager_post_forward = torch._dynamo.disable(self._post_forward, recursive=True)
+        self.eager_enter_block_frame = torch._dynamo.disable(self.enter_block_frame, recursive=True)
+        self.eager_frames_root_pre_forward = torch._dynamo.disable(self._frames_root_pre_forward, recursive=True)
+        self.eager_frames_root_post_forward = torch._dynamo.disable(self._frames_root_post_forward, recursive=True)
+        # Names this state in the annotations of traced nodes (check_parameters_read in policy.py).
+        self.trace_token = next(_trace_tokens)
+        self._init_block_frames()
+
+    @property
+    def reshards_after_forward(self) -> bool:
+        """Whether the group frees its parameters after forward; the compiled path reads it at trace
+        time (it never runs the eager lazy init, which settles the default for the root)."""
+        if self.auto_reshard_after_forward:
+            return self.has_outer  # the root keeps its parameters, as in eager
+        return self.group is not None and self.group.reshard_after_forward
+
+    @property
+    def compiles_as_region(self) -> bool:
+        """Whether this module's forward is a nested compile region: a block with an enclosing
+        fully_shard module, no fully_shard module inside and one module in its group (see
+        [Note: compile once per block] in regions.py); under ``torch.compile(dynamic=True)`` none is
+        ([Note: where Dynamo's body reuse stops] in regions.py, 3). Nor is a block keeping running statistics
+        while it trains: a region's body may not write its buffers in place under autograd (torch
+        2.13's invoke_subgraph refuses it, and the compile failed); that block is traced inline.
+        Only our backends compile regions correctly (``trace_context.traced_for_an_fsdp_backend``)."""
+        return (
+            config.compile_blocks_once and not self.compiles_as_frame and self._is_block()
+            and torch._dynamo.config.assume_static_by_default and not (self.keeps_running_stats and self.modules[0].training)
+            and traced_for_an_fsdp_backend()
+        )
+
+    @property
+    def compiles_as_frame(self) -> bool:
+        """Whether this block's forward is compiled as a Dynamo frame of its own, with its group's
+        collectives in its graph and nothing in the trace that tells blocks apart
+        (``config.compile_blocks_as_frames``; see [Note: blocks compiled as frames] in frames.py)."""
+        return (
+            blocks_as_frames_in_this_trace() and self._is_block() and traced_for_an_fsdp_backend()
+            and not traced_in_a_callers_higher_order_op()
+        )
+
+    def _is_block(self) -> bool:
+        """A fully_shard module inside another, with none inside it and one module in its group, not
+        compiled per block. Plain flags set by fully_shard: read under Dynamo, they guard on values
+        that are the same for every block, never on a block's identity."""
+        return self.has_group and self.has_outer and self.single_module and self.is_leaf and not self.per_block_compiled
+
+    @property
+    def gathers_once_across_frames(self) -> bool:
+        """Whether this group's reads trace ``unsharded_across_frames``: a group other than a block
+        (the root) while blocks compile as frames, whose forward those frames split into several graphs."""
+        return blocks_as_frames_in_this_trace() and self._is_outside_blocks() and traced_for_an_fsdp_backend()
+
+    def reads_across_frames_eagerly(self) -> bool:
+        """Whether an eager read of this group's parameter (its frame run eagerly, its hooks standing
+        aside in a compiled graph) takes ``unsharded_across_frames``, blocks compiled as frames: only
+        during the compiled forward (``model.weight.grad`` read after it is the parameter's)."""
+        return (
+            config.compile_blocks_as_frames and self._is_outside_blocks() and self.outermost().frames_forward_running
+            and self.runs_eagerly_inside_compiled_model()
+        )
+
+    def _is_outside_blocks(self) -> bool:
+        """A group that is no block (the root, a group of several modules, one with blocks inside):
+        blocks compiled as frames split its forward into several graphs."""
+        return self.has_group and not self._is_block()
+
+    def hooks_act_as_traced(self) -> bool:
+        """Whether a hook Dynamo runs eagerly (it gave up on the hook's own frame, which blocks
+        compiled as frames make of each hook) does what its traced form does: the model runs
+        compiled (its root's hooks stood aside), no eager hook ran for this group in this forward,
+        and this is not a checkpoint's recompute in backward. The block's frame, or the reads of the
+        groups outside blocks (``unsharded_across_frames``), gather and reduce instead."""
+        root = self.outermost()
+        return (
+            config.compile_blocks_as_frames and not config.skip_fsdp_hooks and self.training_state is TrainingState.IDLE
+            and (root.runs_compiled or inside_a_compiled_call()) and root.training_state is TrainingState.IDLE
+            and torch._C._current_graph_task_id() == -1
+        )
+
+    def unsharded_across_frames(self, fsdp_param: "FSDPParam") -> torch.Tensor:
+        """``fsdp_param``'s unsharded parameter under ``compile_blocks_as_frames``: the group's first
+        read in a forward traces the whole group's unshard (one all-gather, and in backward one
+        reduce-scatter, as eagerly), and every later read takes what it gathered, in whichever graph
+        it comes. The root's pre- and post-forward empty ``frame_handoff``; see [Note: blocks compiled
+        as frames] in frames.py."""
+        handoff = self.frame_handoff
+        if fsdp_param.fqn not in handoff:
+            group = self.group
+            assert group is not None
+            gathered = self.traced_unshard(group.fsdp_params) if torch.compiler.is_compiling() else _gather_group_in_a_graph(self)
+            for member, unsharded in zip(group.fsdp_params, gathered):
+                handoff[member.fqn] = unsharded
+        return handoff[fsdp_param.fqn]
+
+    def runs_eagerly_inside_compiled_model(self) -> bool:
+        """Whether this module's forward runs eagerly while its FSDP hooks were traced into a
+        compiled caller's graph, where they stand aside (see [Note: frames Dynamo runs eagerly] in
+        module.py): its model runs compiled and its pre-forward hook did not run eagerly."""
+        return (
+            self.training_state == TrainingState.IDLE and self.outermost().runs_compiled and self.has_group
+            and not self.per_block_compiled and not config.skip_fsdp_hooks and torch._C._current_graph_task_id() == -1
+        )
+
+    def traced_unshard(self, fsdp_params: "list[FSDPParam]", first_place: bool = True) -> list[torch.Tensor]:
+        """What reads of ``fsdp_params`` (this group's) trace to under torch.compile; see param_reads.py.
+
+        A block's forward traces its whole group at once, so the group's settings are read (and
+        guarded) once per block rather than once per parameter. ``first_place``: the reads are
+        through each parameter's first registered name, the one read that adds the no-sync sum (a
+        tied parameter is read once per name).
+        """
+        group = self.group
+        assert group is not None
+        if settings_refused_when_compiled(group):
+            pass  # the branch makes Dynamo guard on the settings; check_parameters_read refuses them
+        traced_for_an_fsdp_backend()  # another backend is told once what it skips
+        spec = group.reduce_spec
+        hybrid = group.mesh_info.replicate_group is not None
+        takes_sums = group.requires_gradient_sync and first_place
+        adds_deferred = takes_sums and hybrid and group.requires_all_reduce  # [Note: deferred all-reduce] in param.py
+        sinks_deferred = hybrid and not group.requires_all_reduce  # every read's sum adds up in the sink's .grad
+        policy = group.comm_policy
+        quantize = (policy.all_gather_dtype, policy.block_size) if policy.quantizes_all_gather else None
+        reshards = self.reshards_after_forward
+        if self.compiles_as_frame:
+            group_name, token = self.frame_label, BLOCK_FRAME_TOKEN  # one graph for every such block
+        else:
+            group_name, token = group.label, self.trace_token
+        delivers_late = (
+            self.compiles_as_frame and group.requires_gradient_sync and not hybrid and spec.wire_dtype is None
+            and not traced_under_compiled_autograd()
+        )
+        unsharded = []
+        for fsdp_param in fsdp_params:
+            late = (
+                delivers_late and fsdp_param.tensor_parallel is None and fsdp_param.sharded_param.requires_grad
+                and fsdp_param.detached_sharded_param is not None
+            )
+            accumulated = deferred = None
+            if takes_sums:
+                accumulated = fsdp_param.staged_accumulated_grad
+                if accumulated is None:
+                    # Compiled without its root (which stages the sums): take it here, which Dynamo
+                    # allows outside higher-order ops such as activation checkpointing.
+                    accumulated = fsdp_param.pop_accumulated_grad()
+            if adds_deferred:
+                deferred = fsdp_param.staged_deferred_all_reduce
+                if deferred is None:
+                    deferred = fsdp_param.pop_deferred_all_reduce()
+            unsharded.append(unshard_for_trace(
+                fsdp_param.detached_sharded_param if late else fsdp_param.sharded_param, fsdp_param.layout, fsdp_param.param_dtype, spec,
+                trace_annotation(group_name, fsdp_param.fqn, reshards, token), fsdp_param.accumulation_sink,
+                group.requires_gradient_sync, accumulated, deferred,
+                fsdp_param.deferred_all_reduce_sink if sinks_deferred else None, quantize, fsdp_param.tensor_parallel,
+                fsdp_param.gradient_handover_sink if late else None,
+            ))
+        return unsharded
+
+    def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        compiling = torch.compiler.is_compiling()
+        if compiling and config.skip_fsdp_hooks:  # FSDPModule.forward runs the hook eagerly
+            return args, kwargs
+        if compiling or self.hooks_act_as_traced():
+            # See [Note: parameter reads under torch.compile] in param_reads.py.
+            if self.outer is None:
+                if self._root_hooks_run_eagerly_for_frames(compiling):
+                    self.eager_frames_root_pre_forward()
+                elif torch.is_grad_enabled():
+                    self._stage_accumulated_grads()
+            return self._cast_forward_inputs(args, kwargs)
+        return self._pre_forward(module, args, kwargs)
+
+    def _post_forward_hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        compiling = torch.compiler.is_compiling()
+        if compiling and config.skip_fsdp_hooks:  # FSDPModule.forward runs the hook eagerly
+            return output
+        if compiling or self.hooks_act_as_traced():
+            if self.outer is None:
+                if self._root_hooks_run_eagerly_for_frames(compiling):
+                    self.eager_frames_root_post_forward()
+                else:
+                    self._release_staged_grads()
+            return self._cast_output(output)
+        return self._post_forward(module, args, output)

@@ -1,0 +1,565 @@
+"""Blocks compiled as frames: what happens when a block frame is entered, how its all-gathers cross
+frame boundaries (forward and backward prefetch) and how its reduce-scatters are handed over late
+(docs/design.md section 5.4).
+
+Per block (the block's state, ``BlockFrameFSDPState``): its two prefetch slots (``FramePrefetch``), the
+block after it and before it in the learned order, what the groups outside blocks gathered this
+forward. Per model (its root's ``RootFrames``): the learned order's ends, the blocks registered
+for the frame ops by their shards' addresses, their late gradient sinks, the reductions handed over
+in flight, and the blocks this forward entered (compared across ranks). The frame ops themselves
+(``ops.py``) find their model by the shards or sinks a graph gives them.
+"""
+from __future__ import annotations
+
+import warnings
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+
+from fsdp_compile import config
+from fsdp_compile.compile import torch_patches
+from fsdp_compile.compile.graph_check import END_OF_FORWARD, block_frames_fingerprint, check_block_frames_match_across_ranks
+from fsdp_compile.compile.ops import FrameOpsRuntime, serve_frame_ops
+from fsdp_compile.compile.trace_context import note_block_frame_entered, traced_without_graph_breaks
+from fsdp_compile.runtime.collectives import pending_functional_reduce_scatter
+from fsdp_compile.runtime.param_group import TrainingState
+from fsdp_compile.runtime.state import FSDPState, live_states, state_of
+
+if TYPE_CHECKING:
+    from fsdp_compile.runtime.param import FSDPParam
+    from fsdp_compile.runtime.param_group import FSDPParamGroup
+
+__all__ = [
+    "FramePrefetch", "RootFrames", "BlockFrameFSDPState", "blocks_as_frames_in_this_trace", "land_late_reductions",
+    "gradient_holder",
+]
+
+_functional = torch.ops._c10d_functional
+
+# [Note: blocks compiled as frames]
+# A region still costs the whole-model trace something per block: Dynamo traces each block's parameter
+# reads and checks the reuse of its body, AOTAutograd partitions a joint graph holding every block's
+# collectives, Inductor lowers them; the 16-layer benchmark model compiled in 2.6x the time of PyTorch
+# FSDP2's per-block compile, growing 0.65 s per layer. With config.compile_blocks_as_frames, a block's
+# forward instead breaks the caller's graph (state.eager_enter_block_frame, a torch.compiler.disable'd
+# call) and the rest of it is a Dynamo frame of its own: its graph reads the block's shards,
+# all-gathers the group before the body (a graph node that takes the prefetch across frames:
+# [Note: prefetch across block frames]), and its backward holds the group's reduce-scatter, with a
+# resharding block gathering again in backward (passes/recompute.py, as for any graph). Dynamo keys
+# compiled frames by code object, and this code is every block's: a block whose guards hold on the
+# first one's graph runs that graph, so compile time stays flat with depth; blocks that differ compile
+# a graph per structure, each structure with its own recompile budget
+# ([Note: a recompile limit per block structure] in torch_patches.py). Nothing in the trace may then tell
+# blocks apart: the annotations name the block's class (frame_label) and a shared token rather than
+# the group's label and state, and the backend learns which block it admits from the eager call that
+# entered the frame (block_frame_in_trace). The groups outside blocks (the root) are read in several
+# graphs, the frames splitting their forward: the first read in a forward gathers the whole group and
+# hands the unsharded parameters to later graphs (CompiledFSDPState.unsharded_across_frames), so each group
+# still gathers and reduces once per step. The root's own hooks hand their bookkeeping (staging
+# no-sync sums, the handoff) to an eager call as well: traced, their walk over every group cost
+# compile time and guards per block. A frame Dynamo gives up on (recompile limit, a skipped frame)
+# runs with the eager hooks, as any block ([Note: frames Dynamo runs eagerly] in module.py). A read of a group
+# outside blocks that runs eagerly under the compiled model (Dynamo skips the read's code once a trace
+# of it held no op, as the eager fallback's does) gathers that group in a small graph of its own
+# (compiled_state._gather_group_in_a_graph), bucketed as in any graph. Frames are the default: they keep
+# compile time flat with depth, where regions (regions.py) grow with it. Not a frame: a block called
+# inside a higher-order op of its caller's graph (checkpoint(block, x), as Hugging Face's gradient
+# checkpointing calls its layers), whose graph cannot break there (trace_context.
+# traced_in_a_callers_higher_order_op): it compiles as a region of that graph, or inline where regions
+# are not used (a block whose class checkpoints itself in its own __call__, as Hugging Face's layers
+# do now, enters its frame there instead: [Note: a block that checkpoints itself in __call__] in regions.py); and
+# every block under fullgraph=True. Ranks whose control flow enters different blocks are caught before
+# the block's collectives ([Note: ranks entering different block frames] in graph_check.py), since
+# every rank compiles the same frames.
+#
+# [Note: prefetch across block frames]
+# A block frame's graph reads its parameters as any graph does: each read traces its unshard, the bucket
+# pass makes the group's all-gather one node, the reorder pass puts it at the graph's start. Left as it
+# is, that all-gather could only overlap the block's own first ops; one traced into the previous block's
+# graph instead (to prefetch) would make the last block's graph differ from the others' (it has no next
+# block), so a chain of identical blocks would compile two frames. The graph cannot name the block (one
+# graph serves them all) nor take an input for the block after it. So the post-grad pass
+# (passes/recompute.gather_frames_through_prefetch) turns the bucket's copy-in + all-gather into one
+# opaque call, fsdp_compile::frame_all_gather, on the same shards, in the same place, its result waited
+# on where the reorder pass put the wait; a graph node still, after bucketing and placing. At run time
+# (_gather_in_frame below) the call finds its block by the shards' addresses (registered as the block's
+# compiled frame was entered, enter_block_frame), takes the all-gather the block before it issued for
+# it if one was issued on exactly these shards at these versions (else issues its own), and issues that
+# of the block after it (the order the last forward entered them in: BlockFrameFSDPState._learn_frame_order, the
+# module tree's at the first), with the shards that block's graph gathered last time. So block i+1's
+# all-gather is in flight before block i's first matmul and runs while block i computes, as FSDP2's
+# eager forward prefetch; every block's graph is the same, the first, the last and the others; at most
+# two blocks are unsharded at once in forward (a frame lets go of its parameters at its end). A
+# resharding block's backward graph gathers again, as any graph's (passes/recompute.py), nothing
+# unsharded saved. Every rank decides alike: the order, the registration (on every rank, or, where a
+# parameter has no rows on some rank and so no address of its own, on none) and the learned gathers
+# are the same on all ranks. Not prefetched: a block's first forward (what its graph gathers is learned
+# then), a block with CommPolicy's quantized all-gather or tensor-parallel parameters (they gather in
+# their own graph), the groups outside blocks. A prefetch is never read stale: one whose shards were
+# written since (the optimizer's step) is waited on and let go where the block's graph asks for its
+# all-gather; one no frame took (a block skipped on a step) is let go as the next forward's first frame
+# is entered (BlockFrameFSDPState.drop_frame_prefetch); a frame Dynamo runs eagerly hands it to its eager hooks
+# ([Note: frames Dynamo runs eagerly] in module.py).
+#
+# [Note: backward prefetch across block frames]
+# A resharding block's backward graph gathers its shards again (a bucketed graph all-gather, which the
+# reorder pass hoists to the graph's start), and the same pass makes it the same opaque call as in
+# forward ([Note: prefetch across block frames]), run the other way: it takes the all-gather the block
+# after it issued for it and issues that of the block before it, the one that ran forward before it and
+# so runs backward next, with the shards that block's backward graph gathered last time. So block i-1's
+# all-gather runs while block i's backward computes, as FSDP2's eager backward prefetch does; at most
+# two blocks are unsharded at once in backward. A block is registered for its backward's gather where
+# its compiled frame ran forward with gradients on. Not prefetched: a block whose compiled frame did not
+# run forward with gradients on since its backward last ran (a frame Dynamo ran eagerly: its eager hooks
+# gather; a no-grad forward), a block's first backward (its gather is learned then), the groups outside
+# blocks. One that no backward took (a backward that stops early) is let go as the next forward's first
+# frame is entered, as a forward prefetch is.
+# The reduce-scatters are issued in the block's graph and waited after it ([Note: late reduce-scatter
+# wait across block frames]).
+#
+# [Note: late reduce-scatter wait across block frames]
+# A block frame's backward graph ends where the block's backward ends, so a reduce-scatter waited in
+# it overlaps only the rest of that block's backward: the block's bucket, issued after its last
+# gradient, hardly anything. FSDP2's eager backward waits on a block's reduce-scatter in the next
+# block's post-backward instead, and so do we. The traced reduction of a block frame's parameter
+# (all_gather_shard's autograd formula, given the parameter's ``gradient_handover_sink``) returns no
+# gradient for the shard: it passes the reduced, divided and cast padded shard with the sink to
+# fsdp_compile::deliver_reduced_gradient, which writes it into the sharded ``.grad`` and runs the
+# post-accumulate-grad hooks (the eager copy-out, FSDPParamGroup.write_sharded_grads), and returns
+# the sink's gradient: zeros, one element, a graph output, so the call is never dead code. The sink
+# (a graph input) says whose gradient it is (owner_of_late_gradient_sink below, by address),
+# so the graph still names no block. After bucketing and reordering, the post-grad pass
+# (passes/recompute.deliver_frame_reductions_late) replaces the wait, copy-out and deliveries of
+# each bucket whose reduced shard only its parameters' deliveries read with one
+# fsdp_compile::deliver_reduce_scatter_late(in flight, its input, sinks) at the graph's end. At run
+# time (_deliver_gradients_late below) that call first lands the reduce-scatters handed over before
+# it (the block after this one's: wait, copy-out, .grad, hooks, in FSDPParamGroup.finish_reduction,
+# the eager runtime's own), then holds its own as the group's reduction in flight, landed by the
+# next hand-over or when the backward ends (a callback queued on autograd's engine). So block i's
+# reduce-scatter runs while block i-1's backward computes; two are in flight at most, as in FSDP2.
+# The hand-over is the graph's last call because a collective's buffers may not be reused before its
+# wait, and Inductor knows only of waits in its graph: after the last call it allocates nothing;
+# the runtime keeps both buffers until the wait. Waited in the graph as before: HSDP (an all-reduce
+# follows), CommPolicy's gradient wire, tensor-parallel parameters, the groups outside blocks, a
+# bucket whose reduced shard something else reads, and any graph another backend compiles (there
+# the first call delivers where the graph computed the gradient). Under compiled autograd, which
+# traces the whole backward into one graph of its own, no frame takes a sink: its reductions return
+# their gradients, as outside frames (trace_context.traced_under_compiled_autograd). ``.grad`` is complete
+# when ``backward()`` returns, as before.
+
+
+def blocks_as_frames_in_this_trace() -> bool:
+    """``config.compile_blocks_as_frames``, unless the trace may not break the graph (fullgraph=True),
+    where blocks are regions as before ([Note: blocks compiled as frames])."""
+    return config.compile_blocks_as_frames and not traced_without_graph_breaks()
+
+
+class FramePrefetch:
+    """One direction's all-gather of a block frame's group (forward's or backward's), as its graph's
+    ``fsdp_compile::frame_all_gather`` asks for it: what that graph gathers (learned as it first runs:
+    indices of the group's parameters, padded numels, dtype, shard size, process group), whether the
+    block's compiled frame was entered for it since it last ran (forward: entered; backward: entered
+    with gradients on), and the all-gather issued for it ahead, with what it was issued on. See [Note:
+    prefetch across block frames] in frames.py."""
+
+    def __init__(self) -> None:
+        self.learned: tuple | None = None
+        self.pending = False
+        self.in_flight: torch.Tensor | None = None
+        self._issued_from: tuple | None = None
+
+    def take(self, shards: list[torch.Tensor]) -> torch.Tensor | None:
+        """The all-gather issued ahead on exactly ``shards`` as they are now, or None (any other is let go)."""
+        in_flight, issued_from = self.in_flight, self._issued_from
+        self.in_flight, self._issued_from = None, None
+        if in_flight is None:
+            return None
+        if issued_from != (self.learned, _addresses_and_versions(shards)):
+            torch.ops._c10d_functional.wait_tensor(in_flight)
+            return None
+        return in_flight
+
+    def issue_ahead(self, group: "FSDPParamGroup | None") -> None:
+        """The all-gather this graph issued last time, on ``group``'s shards as they are now."""
+        if self.learned is None or group is None or self.in_flight is not None:
+            return
+        indices, padded_numels, param_dtype, shard_size, shard_group_name = self.learned
+        shards = [group.fsdp_params[index].local_shard() for index in indices]
+        self.in_flight = _issue_frame_all_gather(shards, padded_numels, param_dtype, shard_size, shard_group_name)
+        self._issued_from = (self.learned, _addresses_and_versions(shards))
+
+    def is_whole_group_of(self, group: "FSDPParamGroup") -> bool:
+        """Whether what it gathers is ``group``'s eager all-gather, in its layout (its eager hooks can take it)."""
+        if self.learned is None:
+            return False
+        indices, padded_numels, param_dtype, shard_size, shard_group_name = self.learned
+        spec = group.reduce_spec
+        return (
+            indices == tuple(range(len(group.fsdp_params))) and param_dtype == group.param_dtype
+            and padded_numels == [p.padded_shard_numel for p in group.fsdp_params]
+            and (shard_size, shard_group_name) == (spec.shard_size, spec.shard_group_name)
+        )
+
+    def drop(self) -> None:
+        """Let go of an all-gather issued ahead that no graph will read, once it completed (its buffer is
+        in use until then, and a collective's tensor is waited on before it is freed)."""
+        if self.in_flight is not None:
+            torch.ops._c10d_functional.wait_tensor(self.in_flight)
+        self.in_flight, self._issued_from = None, None
+
+
+def _addresses_and_versions(shards: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """What a frame's all-gather was issued on: a later read of other or since-written shards differs."""
+    return [(shard.data_ptr(), shard._version) for shard in shards]
+
+
+def _issue_frame_all_gather(
+    shards: list[torch.Tensor], padded_numels: list[int], param_dtype: torch.dtype, shard_size: int, shard_group_name: str,
+) -> torch.Tensor:
+    """A block frame's group all-gather as ``frame_all_gather`` issues it (one flat buffer, the eager
+    runtime's fused copy-in), returned in flight; the graph that reads it waits on it. See [Note:
+    prefetch across block frames] in frames.py."""
+    with torch.no_grad():
+        flat = torch.ops.fsdp_compile.all_gather_copy_in_functional(shards, padded_numels, param_dtype)
+        return _functional.all_gather_into_tensor(flat, shard_size, shard_group_name)
+
+
+class RootFrames:
+    """What the root of one model keeps for its blocks compiled as frames: the first and last block
+    entered (the learned order's ends), the blocks registered for the frame ops by their shards'
+    addresses and the groups' late gradient sinks by theirs (a block frame's graph, shared by every
+    block of its structure, names no block: [Note: prefetch across block frames]), the reductions a
+    backward graph handed over in flight, oldest first, with the backward (autograd graph task) whose
+    end lands them ([Note: late reduce-scatter wait across block frames]), and the blocks this
+    forward entered so far with their fingerprint ([Note: ranks entering different block frames] in
+    graph_check.py)."""
+
+    def __init__(self) -> None:
+        self.first_block: FSDPState | None = None
+        self.last_block: FSDPState | None = None
+        self.blocks_by_shard: dict[int, weakref.ref[FSDPState]] = {}
+        self.owners_by_late_sink: dict[int, tuple[weakref.ref[FSDPParamGroup], int]] = {}
+        self.handed_over: list[FSDPParamGroup] = []
+        self.landed_at_end_of_backward: int | None = None
+        self.entered: list[str] = []
+        self.entered_fingerprint = ""
+
+    def register_late_sinks(self, group: "FSDPParamGroup") -> None:
+        for index, fsdp_param in enumerate(group.fsdp_params):
+            self.owners_by_late_sink[fsdp_param.gradient_handover_sink.data_ptr()] = (weakref.ref(group), index)
+
+    def owner_of_late_sink(self, sink: torch.Tensor) -> "tuple[FSDPParamGroup, FSDPParam] | None":
+        reference, index = self.owners_by_late_sink.get(sink.data_ptr(), (None, -1))
+        group = reference() if reference is not None else None
+        return None if group is None else (group, group.fsdp_params[index])
+
+    def land_late_reductions(self) -> None:
+        """Wait on every reduce-scatter handed over and write its gradients, oldest first."""
+        while self.handed_over:
+            group = self.handed_over.pop(0)
+            if group._reduction_in_flight is not None:  # else a failed step let it go (reset_iter_state)
+                group.finish_reduction()
+
+
+def _roots() -> "list[FSDPState]":
+    """The roots of the live models whose blocks compile as frames."""
+    return [state for state in live_states() if state.outer is None and getattr(state, "root_frames", None) is not None]
+
+
+def _gather_in_frame(
+    shards: list[torch.Tensor], padded_numels: list[int], param_dtype: torch.dtype, shard_size: int, shard_group_name: str,
+    backward: bool,
+) -> torch.Tensor:
+    """``fsdp_compile::frame_all_gather`` run in a block frame's forward or backward graph: the group's
+    all-gather in flight (issued ahead by the block that ran before it, or issued now), after issuing
+    that of the block that runs next (forward: the next block; backward: the block before it); see
+    [Note: prefetch across block frames] in frames.py."""
+    state, indices = _frame_block_of(shards, backward)
+    in_flight = None
+    if state is not None:
+        gather = state.frame_gathers[backward]
+        gather.learned = (indices, list(padded_numels), param_dtype, shard_size, shard_group_name)
+        gather.pending = False
+        in_flight = gather.take(shards)
+    if in_flight is None:
+        in_flight = _issue_frame_all_gather(shards, padded_numels, param_dtype, shard_size, shard_group_name)
+    if state is not None:
+        state._gather_next_frame_ahead(backward)
+    return in_flight
+
+
+def owner_of_late_gradient_sink(sink: torch.Tensor) -> "tuple[FSDPParamGroup, FSDPParam]":
+    """The group and parameter whose ``gradient_handover_sink`` is ``sink`` (registered as the group's block
+    frame was entered)."""
+    for root in _roots():
+        owner = root.root_frames.owner_of_late_sink(sink)
+        if owner is not None:
+            return owner
+    raise RuntimeError("fsdp_compile: a compiled backward handed over a gradient for a parameter no live fully_shard group owns")
+
+
+def gradient_holder(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor whose ``.grad`` a compiled graph input's gradient ends in: the parameter a block
+    frame's late gradient sink delivers to, else the input itself (a parameter, or a no-sync sink)."""
+    if tensor.numel() == 1 and not isinstance(tensor, torch.nn.Parameter):
+        for root in _roots():
+            owner = root.root_frames.owner_of_late_sink(tensor)
+            if owner is not None and owner[1].gradient_handover_sink is tensor:
+                return owner[1].sharded_param
+    return tensor
+
+
+def _deliver_gradient_now(reduced: torch.Tensor, late_sink: torch.Tensor) -> None:
+    """``fsdp_compile::deliver_reduced_gradient``: one parameter's reduced, divided and cast padded
+    shard, written into its sharded ``.grad`` now."""
+    group, fsdp_param = owner_of_late_gradient_sink(late_sink)
+    group.write_sharded_grads([fsdp_param], reduced.reshape(-1).contiguous(), 1.0)
+
+
+def _deliver_gradients_late(in_flight: torch.Tensor, reduce_input: torch.Tensor, late_sinks: list[torch.Tensor]) -> None:
+    """``fsdp_compile::deliver_reduce_scatter_late``: land the reduce-scatters handed over before (the
+    block after this one's), then hold this one until the next hand-over or the backward's end."""
+    owners = [owner_of_late_gradient_sink(sink) for sink in late_sinks]
+    group = owners[0][0]
+    if any(owner is not group for owner, _ in owners):
+        raise RuntimeError(f"fsdp_compile: a compiled backward handed over one reduce-scatter for the parameters of several groups ({group.label}, ...)")
+    land_late_reductions()
+    group.hold_reduction([fsdp_param for _, fsdp_param in owners], pending_functional_reduce_scatter(in_flight, reduce_input, group.label))
+    backward = torch._C._current_graph_task_id()
+    if backward == -1:  # not inside autograd's backward: nothing would land it later
+        group.finish_reduction()
+        return
+    state = state_of(group.modules[0])
+    assert state is not None
+    frames = state.outermost().root_frames
+    frames.handed_over.append(group)
+    if frames.landed_at_end_of_backward != backward:
+        frames.landed_at_end_of_backward = backward
+        torch.autograd.Variable._execution_engine.queue_callback(land_late_reductions)
+
+
+def land_late_reductions() -> None:
+    """Wait on every reduce-scatter handed over (every model's) and write its gradients, oldest first."""
+    for root in _roots():
+        root.root_frames.land_late_reductions()
+
+
+def _frame_block_of(shards: list[torch.Tensor], backward: bool) -> "tuple[FSDPState | None, tuple[int, ...] | None]":
+    """The registered block whose parameters' shards ``shards`` are (every one of them), its frame
+    entered for this direction's gather, with their indices in its group, or (None, None)."""
+    if not shards:
+        return None, None
+    state = None
+    for root in _roots():
+        reference = root.root_frames.blocks_by_shard.get(shards[0].data_ptr())
+        state = reference() if reference is not None else None
+        if state is not None:
+            break
+    if state is None or not state.frame_gathers[backward].pending:
+        return None, None
+    indices = _indices_in_group(state, shards)
+    return (state, indices) if indices is not None else (None, None)
+
+
+def _indices_in_group(state: "FSDPState", shards: list[torch.Tensor]) -> "tuple[int, ...] | None":
+    group = state.group
+    if group is None:
+        return None
+    index_by_address = {p.local_shard().data_ptr(): i for i, p in enumerate(group.fsdp_params)}
+    indices = tuple(index_by_address.get(shard.data_ptr(), -1) for shard in shards)
+    return None if -1 in indices else indices
+
+
+serve_frame_ops(FrameOpsRuntime(_gather_in_frame, _deliver_gradient_now, _deliver_gradients_late))
+
+
+class BlockFrameFSDPState:
+    """The block-frame side of a ``CompiledFSDPState`` (mixed into it): what runs eagerly as a block's
+    frame is entered, the root's hand-over of its bookkeeping around a compiled forward, and the
+    prefetches across frames. See [Note: blocks compiled as frames]."""
+
+    def _init_block_frames(self) -> None:
+        # Names a block compiled as a frame in its graph: the same for every block of its class, so
+        # one graph serves them all ([Note: blocks compiled as frames]).
+        self.frame_label = f"{type(self.modules[0]).__name__} (block frame)"
+        # The unsharded parameters of this forward's first read, by FQN (unsharded_across_frames).
+        self.frame_handoff: dict[str, torch.Tensor] = {}
+        # [Note: prefetch across block frames]. The block whose frame runs after this one's (learned
+        # eagerly by enter_block_frame); previous_frame_block: the block entered just before this one in
+        # the last forward that entered it (its backward runs after this one's), or None where this one
+        # came first. This block's forward and backward all-gathers, by ``backward`` (False, True), each
+        # with the one issued for it ahead.
+        self.next_frame_block: FSDPState | None = None
+        self.previous_frame_block: FSDPState | None = None
+        self.frame_gathers = (FramePrefetch(), FramePrefetch())
+        # On a root whose blocks compile as frames: between its (eager) pre- and post-forward.
+        self.frames_forward_running = False
+        # On a root: that its explicit prefetch lists do not place a block frame's all-gathers was said.
+        self.told_of_frames_prefetch = False
+        # On a root: what its model's block frames share (read on the root only).
+        self.root_frames = RootFrames()
+
+    def _begin_frame_handoff(self) -> None:
+        """Root pre- and post-forward under ``compile_blocks_as_frames``, traced or run eagerly (a hook
+        Dynamo gave up on): each group gathers afresh in the next forward, and nothing holds this one's
+        unsharded parameters past it. (A prefetch no frame took is let go eagerly: see _learn_frame_order.)"""
+        for state in self.states_in_tree():
+            if state._is_outside_blocks():
+                state.frame_handoff = {}
+
+    def _learn_frame_order(self) -> None:
+        """Eagerly, as this block's frame is entered: the block entered before it in this forward
+        prefetches this one from the next step on. The first forward takes the module tree's order
+        of blocks; a block entered when the first block is entered again ended the last forward."""
+        root = self.outermost()
+        previous = root.root_frames.last_block
+        if root.root_frames.first_block is None:
+            root.root_frames.first_block = self
+            blocks = [state for state in root.states_in_tree() if state._is_block()]
+            for block, following in zip(blocks, blocks[1:]):
+                block.next_frame_block = following
+            if blocks:
+                blocks[-1].next_frame_block = None
+        elif self is root.root_frames.first_block:
+            if previous is not None and previous.next_frame_block is not None and previous is not self:
+                previous.next_frame_block = None  # it ended the last forward
+            for state in root.states_in_tree():
+                if state is not self:
+                    state.drop_frame_prefetch()  # a block the last forward prefetched and did not run
+        elif previous is not None and previous.next_frame_block is not self:
+            previous.next_frame_block = self
+        self.previous_frame_block = None if self is root.root_frames.first_block else previous
+        root.root_frames.last_block = self
+
+    def hand_frame_prefetch_to_eager_hooks(self) -> None:
+        """Eagerly, where Dynamo runs this block's frame eagerly: the all-gather the block before it
+        issued for it ahead is the one its eager hooks read, not one more; see [Note: frames Dynamo runs
+        eagerly] in module.py. A stale one, or one the group cannot take, is let go."""
+        forward, backward = self.frame_gathers
+        forward.pending = backward.pending = False  # the eager hooks gather, forward and backward
+        group = self.group
+        if forward.in_flight is not None and group is not None and forward.is_whole_group_of(group):
+            in_flight = forward.take([p.local_shard() for p in group.fsdp_params])
+            if in_flight is not None:
+                gathered = torch.ops._c10d_functional.wait_tensor(in_flight).view(group.reduce_spec.shard_size, -1)
+                if group.adopt_all_gather(gathered):
+                    return
+        self.drop_frame_prefetch()
+
+    def drop_frame_prefetch(self) -> None:
+        """Eagerly: let go of the all-gathers issued ahead for this block that no frame will read
+        ([Note: prefetch across block frames] in frames.py)."""
+        for gather in self.frame_gathers:
+            gather.drop()
+
+    def _gathers_identifiably_in_frames(self) -> bool:
+        """Whether ``gather_in_frame`` can tell this block by its shards' addresses on every rank: each
+        parameter holds rows on every rank (a rank's empty shard has no address of its own), a fact of
+        the shapes alone, the same on all ranks."""
+        group = self.group
+        return group is not None and all(
+            p.layout.row_numel > 0 and p.layout.rows(p.layout.world_size - 1) > 0 for p in group.fsdp_params
+        )
+
+    def _register_for_frame_gathers(self) -> None:
+        """Eagerly, as this block's compiled frame is entered: its graphs' all-gathers will find it by
+        its shards (``gather_in_frame``), its backward's where the forward runs with gradients on."""
+        forward, backward = self.frame_gathers
+        group = self.group
+        identifiable = group is not None and self._gathers_identifiably_in_frames()
+        forward.pending = identifiable
+        backward.pending = identifiable and torch.is_grad_enabled()
+        if identifiable:
+            blocks_by_shard = self.outermost().root_frames.blocks_by_shard
+            for fsdp_param in group.fsdp_params:
+                blocks_by_shard[fsdp_param.local_shard().data_ptr()] = weakref.ref(self)
+
+    def _gather_next_frame_ahead(self, backward: bool) -> None:
+        """In this block's forward (backward) graph: issue the all-gather of the block whose forward
+        (backward) runs next, the block after it in the last forward (the one before it), as its graph
+        gathered last time. Backward: where its compiled frame ran forward with gradients on since its
+        backward last ran; forward: where its frame will take it (compiled as a frame, its hooks idle)."""
+        if backward:
+            previous = self.previous_frame_block
+            if previous is not None and previous.frame_gathers[True].pending:
+                previous.frame_gathers[True].issue_ahead(previous.group)
+            return
+        following = self.next_frame_block
+        if following is not None and following.takes_prefetched_frame_gathers():
+            following.frame_gathers[False].issue_ahead(following.group)
+
+    def takes_prefetched_frame_gathers(self) -> bool:
+        """Whether this block's frame takes the all-gathers issued for it ahead ([Note: prefetch across
+        block frames] in frames.py): a block compiled as a frame, not training its hooks eagerly nor
+        recomputing in backward, without CommPolicy's quantized all-gather or tensor-parallel
+        parameters (those gather in their own frame's graph, unprefetched)."""
+        group = self.group
+        return (
+            config.compile_blocks_as_frames and self._is_block() and self.training_state is TrainingState.IDLE
+            and torch._C._current_graph_task_id() == -1 and group is not None
+            and not group.comm_policy.quantizes_all_gather and not any(p.tensor_parallel is not None for p in group.fsdp_params)
+        )
+
+    def enter_block_frame(self) -> None:
+        """Run eagerly where a block compiled as a frame breaks the caller's graph: names the block
+        whose frame Dynamo traces next, for the backend's checks (``check_parameters_read`` in policy.py), whose
+        graph carries no block's identity. See [Note: blocks compiled as frames] in frames.py."""
+        torch_patches.require("recompile limit per block structure")
+        note_block_frame_entered(self)
+        root = self.outermost()
+        # Only a compiled forward enters a block frame: its model runs compiled, also where this is the
+        # first of its groups Dynamo meets (no graph admitted the root's yet) and runs the frame eagerly.
+        root.runs_compiled = True
+        root._check_frames_entered_across_ranks(self.label)
+        if self.group is not None:
+            for fsdp_param in self.group.fsdp_params:
+                fsdp_param.refresh_detached_sharded_param()
+        self._learn_frame_order()
+        if self.group is not None:
+            root.root_frames.register_late_sinks(self.group)
+        if self.takes_prefetched_frame_gathers():
+            self._register_for_frame_gathers()
+        if not root.told_of_frames_prefetch:
+            root.told_of_frames_prefetch = True
+            explicit = [s.label for s in root.states_in_tree() if s.forward_prefetch or s.backward_prefetch]
+            if explicit:
+                warnings.warn(
+                    f"fsdp_compile: set_modules_to_forward_prefetch / set_modules_to_backward_prefetch on {explicit} have "
+                    "no effect while fsdp_compile.config.compile_blocks_as_frames is on: each block's frame prefetches "
+                    "the block that ran after it in the last forward, whatever the lists say. Turn compile_blocks_as_frames "
+                    "off to have the whole-model graph place them, or compile per block (block.compile()), where the eager "
+                    "hooks honour them.",
+                    stacklevel=2,
+                )
+
+    @staticmethod
+    def _root_hooks_run_eagerly_for_frames(compiling: bool) -> bool:
+        """Whether the root's hooks hand their work (staging the no-sync sums, the frames' handoff) to
+        an eager call: blocks compiled as frames break the root's forward anyway, and Dynamo's trace of
+        those walks over every group would cost compile time per block (and guards on each)."""
+        return config.compile_blocks_as_frames and (not compiling or blocks_as_frames_in_this_trace())
+
+    def _check_frames_entered_across_ranks(self, label: str) -> None:
+        """On the root, eagerly, as its compiled forward enters the block ``label`` (or ends): see
+        [Note: ranks entering different block frames] in graph_check.py."""
+        frames = self.root_frames
+        frames.entered.append(label)
+        frames.entered_fingerprint = block_frames_fingerprint(frames.entered_fingerprint, label)
+        check_block_frames_match_across_ranks(self.label, frames.entered, frames.entered_fingerprint)
+
+    def _frames_root_pre_forward(self) -> None:
+        # Called for a compiled forward (or one whose hooks stand aside for it): the model runs compiled,
+        # also where a block runs eagerly before any graph read a parameter (a disabled checkpoint call).
+        self.runs_compiled = True
+        self.frames_forward_running = True
+        self.root_frames.entered, self.root_frames.entered_fingerprint = [], ""
+        if torch.is_grad_enabled():
+            self._stage_accumulated_grads()
+        self._begin_frame_handoff()
+
+    def _frames_root_post_forward(self) -> None:
+        self.frames_forward_running = False
+        self._check_frames_entered_across_ranks(END_OF_FORWARD)
+        self._release_staged_grads()
+        self._begin_frame_handoff()

@@ -1,0 +1,127 @@
+"""The compile policy: which settings a compiled graph honours, which it refuses and why, checked
+before a graph's first collective (docs/design.md section 5.7).
+
+Every public setting either changes the compiled graph exactly as it changes eager behaviour (the
+graph guards on it) or is refused here with an error naming it and the way out.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch.fx as fx
+
+from fsdp_compile.annotations import BLOCK_FRAME_TOKEN, PARAM_KEY, STATE_KEY, fsdp_annotation
+from fsdp_compile.compile.trace_context import block_frame_in_trace
+from fsdp_compile.runtime.state import live_states
+
+if TYPE_CHECKING:
+    from fsdp_compile.runtime.param_group import FSDPParamGroup
+
+__all__ = ["settings_refused_when_compiled", "check_parameters_read", "refuse_tensor_parallel_graphs"]
+
+
+def settings_refused_when_compiled(group: "FSDPParamGroup | None") -> list[str]:
+    """This group's settings a traced graph cannot honour, each with the way out.
+
+    Read while a parameter read is traced, so Dynamo guards on every one: setting one after the
+    first compile recompiles, and the backend (``check_parameters_read``) refuses it then.
+    """
+    if group is None:
+        return []
+    refused = []
+    # Each refused setting's way out is tested to train as eagerly (test_compiled_settings.py).
+    alternative = (
+        "per-block compile honours it: block.compile(backend=\"fsdp_inductor\") on each block, the root left "
+        "uncompiled (FSDP2's and torchtitan's recipe), whose eager hooks around each compiled block do what the "
+        "setting asks; or the eager runtime"
+    )
+    if not group.reshard_after_backward:
+        refused.append(
+            "set_reshard_after_backward(False): a compiled forward's all-gathers are nodes of its graph and run on "
+            "every call; they cannot be skipped because an earlier backward left the parameters gathered, so the "
+            f"compiled step would send the bytes this setting saves; {alternative}"
+        )
+    if group.post_forward_mesh_info is not None:
+        refused.append(f"an int reshard_after_forward: the compiled graph re-gathers from the full shard group; pass True or False, or {alternative}")
+    if group.all_reduce_hook is not None:
+        refused.append(f"set_all_reduce_hook: the compiled graph's reductions cannot call a Python hook; {alternative}")
+    if group.fsdp_params[0].offload_to_cpu:
+        refused.append(
+            "CPUOffloadPolicy: the compiled graph's all-gathers read the shards as device tensors and its "
+            "reduce-scatters write device gradients, while offloaded shards and gradients live in host memory "
+            f"(copied on the all-gather's stream and stepped on the CPU by the eager hooks); {alternative}"
+        )
+    if group.custom_all_gather is not None or group.custom_reduce_scatter is not None:
+        refused.append(f"set_custom_all_gather / set_custom_reduce_scatter: the compiled graph's collectives are functional ops, not Python objects; {alternative}")
+    if group.reduce_scatter_unused_params:
+        refused.append(
+            "set_reduce_scatter_unused_params(True): the compiled graph reduces the parameters its trace reads, the same "
+            f"on every rank (a rank-dependent trace is caught by the cross-rank graph check); {alternative}"
+        )
+    if group.reduce_scatter_max_input_buffers != 1:
+        refused.append(f"set_reduce_scatter_max_input_buffers: in the compiled graph the reorder pass places the reduce-scatters; {alternative}")
+    if any(p.tensor_parallel is not None and p.tensor_parallel.dp_dims for p in group.fsdp_params):
+        refused.append(
+            "dp_mesh_dims (parameters that are DTensors on the full mesh): the traced DTensor's backward would "
+            "all-reduce their gradients over the data-parallel dims before FSDP reduce-scatters them (gradients "
+            "2x per dp rank); put the parameters on the tensor-parallel mesh and pass fully_shard(mesh=mesh['dp']), "
+            f"which compiles, or {alternative}"
+        )
+    if group.reduce_scatter_mesh_info is not group.mesh_info:
+        refused.append(f"set_separate_reduce_scatter_group: the compiled graph reduce-scatters over the shard group; {alternative}")
+    return refused
+
+
+def check_parameters_read(gm: fx.GraphModule) -> None:
+    """Before compiling a graph: every live fully_shard state whose parameters it reads learns that
+    its model runs compiled (so an eager call into the model later initializes from the root
+    instead of failing), and a parameter the graph cannot serve is refused.
+
+    Refused: a group's settings that the graph cannot honour (``settings_refused_when_compiled``),
+    and a local shard with FSDP2's all-gather extension (``fsdp_pre_all_gather``): the traced
+    unshard gathers the shard itself and would silently lose the extension.
+    """
+    traced = {(a[STATE_KEY], a[PARAM_KEY]) for node in gm.graph.nodes if (a := fsdp_annotation(node)) is not None}
+    # A block compiled as a frame is named in its graph by a token every such block shares: the block
+    # is the one whose frame Dynamo is tracing ([Note: blocks compiled as frames] in frames.py).
+    block_frame = block_frame_in_trace()
+    for state in live_states():
+        tokens = {state.trace_token}
+        if state is block_frame:
+            tokens.add(BLOCK_FRAME_TOKEN)
+        read = [p for p in state.group.fsdp_params if any((t, p.fqn) in traced for t in tokens)] if state.group is not None else []
+        if not read:
+            continue
+        state.outermost().runs_compiled = True
+        refused = settings_refused_when_compiled(state.group)
+        if refused:
+            raise NotImplementedError(
+                f"fsdp_inductor: the fully_shard group '{state.group.label}' has settings the compiled graph "
+                "cannot honour: " + "; ".join(refused) + "."
+            )
+        for fsdp_param in read:
+            if fsdp_param.uses_all_gather_extension:
+                raise NotImplementedError(
+                    f"fsdp_inductor: '{fsdp_param.fqn}' (group '{state.group.label}') has an all-gather extension "
+                    "(fsdp_pre_all_gather / fsdp_post_all_gather), which the compiled graph does not run. Train it "
+                    "with the eager runtime, or compile with fsdp_compile.config.skip_fsdp_hooks = True."
+                )
+
+
+def refuse_tensor_parallel_graphs(example_inputs: Sequence[Any]) -> None:
+    """A graph that takes a tensor-parallel parameter's *unsharded* DTensor (the eager fallback's and
+    per-block compile's graphs read it; the whole-model graph gathers from the sharded one) is
+    refused: those paths do not compose with tensor parallelism yet."""
+    tensor_parallel = {
+        id(fsdp_param._unsharded_param): fsdp_param.fqn
+        for state in live_states() if state.group is not None
+        for fsdp_param in state.group.fsdp_params
+        if fsdp_param.tensor_parallel is not None and fsdp_param._unsharded_param is not None
+    }
+    read = [tensor_parallel[id(value)] for value in example_inputs if id(value) in tensor_parallel]
+    if read:
+        raise NotImplementedError(
+            f"fsdp_inductor: the graph reads the unsharded tensor-parallel DTensor parameter '{read[0]}' (the eager "
+            "fallback, config.skip_fsdp_hooks, or per-block compile), which does not support tensor parallelism yet. "
+            "Compile the whole model with torch.compile(model, backend='fsdp_inductor'), or train eagerly."
+        )
