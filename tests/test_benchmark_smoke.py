@@ -42,17 +42,26 @@ TINY = ["--dim", "32", "--layers", "2", "--heads", "4", "--vocab", "64", "--seq"
 def start_benchmark_run() -> tuple[subprocess.Popen, pathlib.Path, pathlib.Path]:
     """``python -m benchmarks`` on the tiny model, started in the background: (process, out dir,
     folder of its stdout and stderr)."""
-    scratch = pathlib.Path(tempfile.mkdtemp(prefix="fsdp_compile_bench_smoke_"))
-    out_dir = scratch / "bench_out"
     # --reuse-inductor-cache: both ranks use the one empty cache below rather than one each, so a
     # kernel one rank compiled (the ranks' are identical) is a cache hit for the other (48 s -> 34 s
     # here); nothing asserted depends on compile times.
-    command = [sys.executable, "-m", "benchmarks", "--modes", ",".join(MODES), *TINY, "--steps", "2", "--warmup", "1",
-               "--no-warm-compile", "--reuse-inductor-cache", "--world-size", "2", "--device", "cpu", "--out-dir", str(out_dir)]
     # As a user runs it: Inductor's vectorized C++, which the rest of the suite turns off
     # ([Note: the tests compile scalar C++] in conftest.py).
     env = {name: value for name, value in os.environ.items() if SCALAR_INDUCTOR_ENV.get(name) != value}
-    env["TORCHINDUCTOR_CACHE_DIR"] = str(scratch / "inductor_cache")
+    return _start_in_background(
+        "fsdp_compile_bench_smoke_", env,
+        "--modes", ",".join(MODES), *TINY, "--steps", "2", "--warmup", "1", "--no-warm-compile", "--reuse-inductor-cache",
+        "--world-size", "2", "--device", "cpu",
+    )
+
+
+def _start_in_background(prefix: str, env: dict[str, str], *args: str) -> tuple[subprocess.Popen, pathlib.Path, pathlib.Path]:
+    """``python -m benchmarks *args`` in the background, with a fresh Inductor cache and out dir in a
+    scratch folder that also takes its stdout and stderr: (process, out dir, scratch folder)."""
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix=prefix))
+    out_dir = scratch / "bench_out"
+    command = [sys.executable, "-m", "benchmarks", *args, "--out-dir", str(out_dir)]
+    env = {**env, "TORCHINDUCTOR_CACHE_DIR": str(scratch / "inductor_cache")}
     with open(scratch / "stdout", "w") as stdout, open(scratch / "stderr", "w") as stderr:
         process = subprocess.Popen(command, cwd=REPO_DIR, env=env, stdout=stdout, stderr=stderr, text=True)
     return process, out_dir, scratch
@@ -218,16 +227,13 @@ HF_LLAMA_TINY = ["--model", "hf-llama", "--dim", "32", "--layers", "2", "--heads
 def start_hf_llama_run() -> tuple[subprocess.Popen, pathlib.Path, pathlib.Path]:
     """``python -m benchmarks --model hf-llama`` at world size 1, ours-eager, torch-eager and ours-compiled,
     started in the background at collection like ``start_benchmark_run`` (conftest's _BACKGROUND_RUNS)."""
-    scratch = pathlib.Path(tempfile.mkdtemp(prefix="fsdp_compile_bench_hf_llama_"))
-    out_dir = scratch / "bench_out"
-    command = [sys.executable, "-m", "benchmarks", "--modes", ",".join(HF_LLAMA_MODES), *HF_LLAMA_TINY,
-               "--no-warm-compile", "--reuse-inductor-cache", "--world-size", "1", "--device", "cpu", "--out-dir", str(out_dir)]
     # The suite's scalar C++ (conftest's SCALAR_INDUCTOR_ENV, inherited): the run above already trains
     # the user's vectorized code, and this one is about the model's calling convention.
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(scratch / "inductor_cache")}
-    with open(scratch / "stdout", "w") as stdout, open(scratch / "stderr", "w") as stderr:
-        process = subprocess.Popen(command, cwd=REPO_DIR, env=env, stdout=stdout, stderr=stderr, text=True)
-    return process, out_dir, scratch
+    return _start_in_background(
+        "fsdp_compile_bench_hf_llama_", dict(os.environ),
+        "--modes", ",".join(HF_LLAMA_MODES), *HF_LLAMA_TINY, "--no-warm-compile", "--reuse-inductor-cache",
+        "--world-size", "1", "--device", "cpu",
+    )
 
 
 @pytest.fixture(scope="module")

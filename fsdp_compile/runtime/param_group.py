@@ -14,7 +14,7 @@ from fsdp_compile.api import CommPolicy
 from fsdp_compile.runtime.collectives import (
     PendingAllGather, PendingPackedAllGather, PendingQuantizedAllGather, PendingReduceScatter, ReduceSpec,
 )
-from fsdp_compile.runtime.comm_context import CommContext
+from fsdp_compile.runtime.comm_context import CommContext, InFlightAllGather
 from fsdp_compile.kernels import ops, quantized, quantized_reference
 from fsdp_compile.runtime.mesh import MeshInfo, PostForwardMeshInfo
 from fsdp_compile.runtime.param import FSDPParam, ShardedState
@@ -280,15 +280,21 @@ class FSDPParamGroup:
         self._pending_all_gather = None
         in_forward = self.training_state == TrainingState.FORWARD
         self.comm.before_copy_out(in_forward)
+        self.comm.after_copy_out(self._copy_out(pending), in_forward)
+        self._expose_unsharded()
+
+    def _copy_out(
+        self, pending: PendingAllGather | PendingPackedAllGather | PendingQuantizedAllGather | _OneRankUnshard
+    ) -> InFlightAllGather:
+        """Wait on ``pending`` and copy what it gathered into every parameter's unsharded data;
+        returns the all-gather whose copy-out the comm context records."""
         if isinstance(pending, PendingPackedAllGather):
             with torch.no_grad():
                 outputs = [p.all_gather_output_buffers(sent) for p, sent in zip(self.fsdp_params, pending.inputs)]
                 pending.wait_into(outputs, self.comm)
                 for fsdp_param, gathered_outputs in zip(self.fsdp_params, outputs):
                     fsdp_param.finish_unshard_from_outputs(gathered_outputs)
-            self.comm.after_copy_out(pending.pending, in_forward)
-            self._expose_unsharded()
-            return
+            return pending.pending
         if isinstance(pending, PendingQuantizedAllGather):
             data, scales = pending.wait(self.comm)
             with torch.no_grad():
@@ -298,17 +304,13 @@ class FSDPParamGroup:
                 )
                 for fsdp_param, out in zip(self.fsdp_params, outs):
                     fsdp_param.finish_copy_out(out)
-            self.comm.after_copy_out(pending.data, in_forward)
-            self._expose_unsharded()
-            return
+            return pending.data
         if isinstance(pending, _OneRankUnshard):
             with torch.no_grad():
                 outs = [p.unsharded_data_for_copy_out() for p in self.fsdp_params]
                 # One op for the group, casting as it copies: the shard is the whole parameter.
                 torch._foreach_copy_([out.view(-1) for out in outs], [p.all_gather_input().view(-1) for p in self.fsdp_params])
-            self.comm.after_copy_out(pending, in_forward)
-            self._expose_unsharded()
-            return
+            return pending
         gathered = pending.wait(self.comm)
         padded = [
             p.padded_post_forward_numel if p.sharded_state == ShardedState.SHARDED_POST_FORWARD else p.padded_shard_numel
@@ -319,8 +321,7 @@ class FSDPParamGroup:
             ops.all_gather_copy_out(gathered, padded, outs)
             for fsdp_param, out in zip(self.fsdp_params, outs):
                 fsdp_param.finish_copy_out(out)
-        self.comm.after_copy_out(pending, in_forward)
-        self._expose_unsharded()
+        return pending
 
     def _expose_unsharded(self) -> None:
         for fsdp_param in self.fsdp_params:
