@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 import fsdp_compile
 from fsdp_compile import FSDPModule, MixedPrecisionPolicy, fully_shard
+from fsdp_compile.compile.backend import observe_graphs
 from fsdp_testing import blocks_as_frames, count_process_group_calls, local_part, max_difference
 
 DIM = 8
@@ -695,13 +696,19 @@ def _bf16_wire_post_all_gather(self, all_gather_outputs, metadata, param_dtype, 
     return upcast, (gathered, upcast)
 
 
-def _all_gather_extension_bf16_on_the_wire(reshard_after_forward: bool):
+def _all_gather_extension_bf16_on_the_wire(reshard_after_forward: bool, compile_blocks: bool = False):
     torch.manual_seed(0)
     reference = _Chain()
     model = copy.deepcopy(reference)
     fully_shard(model.a, reshard_after_forward=reshard_after_forward)
     fully_shard(model.b, reshard_after_forward=reshard_after_forward)
     fully_shard(model)
+    if compile_blocks:
+        # The way out fsdp_inductor's refusal names: each block compiled, the root left eager, so
+        # the eager hooks run the extension around the compiled blocks.
+        torch._dynamo.reset()
+        model.a.compile(backend="fsdp_inductor")
+        model.b.compile(backend="fsdp_inductor")
     # Bound onto the local shards of the evenly sharded weights (a, b; the head's single row would
     # need padding inside the extension), as FSDP2's own test does: plain tensors, no subclass.
     weights = [(name, p) for name, p in model.named_parameters() if name in ("a.weight", "b.weight")]
@@ -711,7 +718,7 @@ def _all_gather_extension_bf16_on_the_wire(reshard_after_forward: bool):
         local.fsdp_post_all_gather = _bf16_wire_post_all_gather.__get__(local)
     batches = _batches(3)
     loss_fn = lambda out: out.pow(2).mean()  # noqa: E731
-    with fsdp_compile.record_collectives() as log:
+    with fsdp_compile.record_collectives() as log, observe_graphs() as graphs:
         ours = _sgd_steps(model, batches, loss_fn, shard=True)
     unrounded = _sgd_steps(copy.deepcopy(reference), batches, loss_fn, shard=False)
     # Reference: forward and backward see the weights rounded to bf16 (what crossed the wire), the
@@ -734,12 +741,22 @@ def _all_gather_extension_bf16_on_the_wire(reshard_after_forward: bool):
         "vs_unrounded_reference": max_difference(ours, unrounded),
         "packed_groups": sorted({r.group for r in log if r.kind == "all_gather" and r.dtype == torch.uint8}),
         "plain_groups": sorted({r.group for r in log if r.kind == "all_gather" and r.dtype != torch.uint8}),
+        "forward_graphs": sum(kind == "forward" for kind, _ in graphs),
     }
 
 
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
 def test_all_gather_extension_sends_what_fsdp_pre_all_gather_returns(dist, reshard_after_forward):
     result = dist.run(2, _all_gather_extension_bf16_on_the_wire, reshard_after_forward)[0]
+    assert result["vs_reference"] < 1e-6
+    assert result["vs_unrounded_reference"] > 1e-5, "the bf16 rounding on the wire must show"
+    # The groups holding an extended weight gather packed bytes; the root (head only) its plain shards.
+    assert result["packed_groups"] == ["a", "b"] and result["plain_groups"] == ["_Chain"]
+
+
+def test_all_gather_extension_is_honoured_with_blocks_compiled_by_fsdp_inductor(dist):
+    result = dist.run(2, _all_gather_extension_bf16_on_the_wire, True, True)[0]
+    assert result["forward_graphs"] >= 1, "the blocks must run compiled"
     assert result["vs_reference"] < 1e-6
     assert result["vs_unrounded_reference"] > 1e-5, "the bf16 rounding on the wire must show"
     # The groups holding an extended weight gather packed bytes; the root (head only) its plain shards.
@@ -764,7 +781,9 @@ def _compiled_all_gather_extension_is_refused():
 
 def test_fsdp_inductor_refuses_a_parameter_with_an_all_gather_extension(dist):
     message = dist.run(1, _compiled_all_gather_extension_is_refused)[0]
-    assert "'weight' (group 'a')" in message and "all-gather extension" in message and "skip_fsdp_hooks" in message
+    assert "'weight' (group 'a')" in message and "all-gather extension" in message
+    # The way out it names, tested above: per-block compile.
+    assert 'block.compile(backend="fsdp_inductor")' in message and "skip_fsdp_hooks" in message
 
 
 

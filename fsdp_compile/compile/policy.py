@@ -19,6 +19,13 @@ if TYPE_CHECKING:
 
 __all__ = ["settings_refused_when_compiled", "check_parameters_read", "refuse_tensor_parallel_graphs"]
 
+# The way out every refusal names; each refused setting's is tested to train as eagerly
+# (test_compiled_settings.py, and the all-gather extension's in test_fsdp2_semantics.py).
+_PER_BLOCK_WAY_OUT = (
+    "per-block compile honours it: block.compile(backend=\"fsdp_inductor\") on each block, the root left "
+    "uncompiled (FSDP2's and torchtitan's recipe), whose eager hooks around each compiled block"
+)
+
 
 def settings_refused_when_compiled(group: "FSDPParamGroup | None") -> list[str]:
     """This group's settings a traced graph cannot honour, each with the way out.
@@ -29,12 +36,7 @@ def settings_refused_when_compiled(group: "FSDPParamGroup | None") -> list[str]:
     if group is None:
         return []
     refused = []
-    # Each refused setting's way out is tested to train as eagerly (test_compiled_settings.py).
-    alternative = (
-        "per-block compile honours it: block.compile(backend=\"fsdp_inductor\") on each block, the root left "
-        "uncompiled (FSDP2's and torchtitan's recipe), whose eager hooks around each compiled block do what the "
-        "setting asks; or the eager runtime"
-    )
+    alternative = f"{_PER_BLOCK_WAY_OUT} do what the setting asks; or the eager runtime"
     if not group.reshard_after_backward:
         refused.append(
             "set_reshard_after_backward(False): a compiled forward's all-gathers are nodes of its graph and run on "
@@ -103,8 +105,13 @@ def check_parameters_read(gm: fx.GraphModule) -> None:
             if fsdp_param.uses_all_gather_extension:
                 raise NotImplementedError(
                     f"fsdp_inductor: '{fsdp_param.fqn}' (group '{state.group.label}') has an all-gather extension "
-                    "(fsdp_pre_all_gather / fsdp_post_all_gather), which the compiled graph does not run. Train it "
-                    "with the eager runtime, or compile with fsdp_compile.config.skip_fsdp_hooks = True."
+                    "(fsdp_pre_all_gather / fsdp_post_all_gather), which a whole-model graph cannot run: its "
+                    "all-gather is one functional op that returns plain tensors and that the passes bucket with "
+                    "the group's other parameters, while the extension is Python on the local shard whose "
+                    "fsdp_post_all_gather may return a tensor subclass (torchao's float8 weights do), and "
+                    "gathering the plain shard instead would silently send other bytes than the extension "
+                    f"asks. {_PER_BLOCK_WAY_OUT} run the extension and each block's graph receives what "
+                    "fsdp_post_all_gather returns; or fsdp_compile.config.skip_fsdp_hooks = True, or the eager runtime."
                 )
 
 
