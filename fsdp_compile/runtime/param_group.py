@@ -152,6 +152,10 @@ class FSDPParamGroup:
         call into c10d, twice per group and step."""
         trained = self._dtype_holder
         key = (trained.reduce_dtype, trained.orig_dtype, self.gradient_divide_factor, self.comm_policy.reduce_wire_dtype)
+        if torch.compiler.is_compiling():
+            # A trace makes its own, as before: writing the cache would be a side effect of the
+            # graph, and a spec read from it an object for Dynamo to guard on.
+            return ReduceSpec.for_group(self.mesh_info, *key)
         cached = self._reduce_spec_cache
         if cached is not None and cached[0] is self.mesh_info and cached[1] == key:
             return cached[2]

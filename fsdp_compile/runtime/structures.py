@@ -67,10 +67,17 @@ def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> Any:
 
         half = map_tensors(lambda t: t.to(torch.bfloat16), (x, {"mask": mask}))
     """
+    return _map_tensors(fn, tree)[0]
+
+
+def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> tuple[Any, bool]:
+    """``map_tensors(fn, tree)`` and whether any tensor in it was replaced (told at the tensors:
+    Dynamo, which traces the hooks, compares tensors by identity but not containers)."""
     if isinstance(tree, torch.Tensor):
-        return fn(tree)
+        mapped = fn(tree)
+        return mapped, mapped is not tree
     if isinstance(tree, _SCALAR_TYPES):
-        return tree
+        return tree, False
     kind = type(tree)
     if kind is tuple or kind is list:
         children = list(tree)
@@ -79,11 +86,11 @@ def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> Any:
     else:
         children = _children(tree)
         if children is None:
-            return tree
-    mapped = [map_tensors(fn, child) for child in children]
-    if all(new is old for new, old in zip(mapped, children)):
-        return tree
-    return _rebuild(tree, mapped)
+            return tree, False
+    pairs = [_map_tensors(fn, child) for child in children]
+    if not any(changed for _, changed in pairs):
+        return tree, False
+    return _rebuild(tree, [mapped for mapped, _ in pairs]), True
 
 
 def tensors_in(tree: Any) -> list[torch.Tensor]:
