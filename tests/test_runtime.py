@@ -343,11 +343,13 @@ def test_list_of_modules_shares_one_group(dist):
 
 
 def _unshard_copies_per_step(mp: bool) -> dict:
-    """Calls of the all-gather copy ops in one eager training step, and the losses of two steps."""
+    """Calls of the all-gather and reduce-scatter copy ops in one eager training step, and the
+    losses of two steps."""
     from fsdp_compile.kernels import ops
 
-    counted = {"copy_in": 0, "copy_out": 0}
+    counted = {"copy_in": 0, "copy_out": 0, "reduce_copy_in": 0, "reduce_copy_out": 0}
     copy_in, copy_out = ops.all_gather_copy_in, ops.all_gather_copy_out
+    reduce_copy_in, reduce_copy_out = ops.reduce_scatter_copy_in, ops.reduce_scatter_copy_out
 
     def counting(name, op):
         def call(*args, **kwargs):
@@ -362,11 +364,14 @@ def _unshard_copies_per_step(mp: bool) -> dict:
         tokens = local_part(batch)
         if step == 1:
             ops.all_gather_copy_in, ops.all_gather_copy_out = counting("copy_in", copy_in), counting("copy_out", copy_out)
+            ops.reduce_scatter_copy_in = counting("reduce_copy_in", reduce_copy_in)
+            ops.reduce_scatter_copy_out = counting("reduce_copy_out", reduce_copy_out)
         try:
             loss = next_token_loss(model(tokens), tokens)
             loss.backward()
         finally:
             ops.all_gather_copy_in, ops.all_gather_copy_out = copy_in, copy_out
+            ops.reduce_scatter_copy_in, ops.reduce_scatter_copy_out = reduce_copy_in, reduce_copy_out
         losses.append(loss.item())
         for p in model.parameters():
             p.grad = None
@@ -381,3 +386,59 @@ def test_a_shard_group_of_one_rank_copies_each_shard_once_into_its_parameter(dis
         assert one["copy_in"] == one["copy_out"] == 0, one
         assert two["copy_in"] > 0 and two["copy_out"] > 0, two
         assert all(loss == loss and loss > 0 for loss in one["losses"]), one
+
+
+def test_a_reduction_over_one_rank_writes_the_sharded_gradients_without_the_flat_buffer(dist):
+    """[Note: a reduction over a shard group of one rank]: no reduce-scatter copy-in or copy-out at
+    world size 1 (two ranks use them); test_parity.py checks the gradients against the unsharded model."""
+    for mp in (False, True):
+        one, two = dist.run(1, _unshard_copies_per_step, mp)[0], dist.run(2, _unshard_copies_per_step, mp)[0]
+        assert one["reduce_copy_in"] == one["reduce_copy_out"] == 0, one
+        assert two["reduce_copy_in"] > 0 and two["reduce_copy_out"] > 0, two
+
+
+def test_eager_only_group_methods_leave_dynamo_alone_eagerly_and_disable_it_under_a_compiled_call():
+    """[Note: Dynamo's disable only where Dynamo runs]: no switch of Dynamo's frame callback per call
+    in eager training; inside a compiled function's call the method's frames are still not compiled."""
+    import sys
+
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback
+
+    from fsdp_compile.runtime.param_group import _eager_only
+
+    callbacks = []
+
+    class Probe:
+        @_eager_only
+        def run(self, x: torch.Tensor) -> torch.Tensor:
+            callbacks.append(get_eval_frame_callback())
+            return x + 1
+
+    probe, switches = Probe(), []
+
+    def count_switches(frame, event, arg):
+        if event == "c_call" and getattr(arg, "__name__", "") == "set_eval_frame":
+            switches.append(arg)
+
+    sys.setprofile(count_switches)
+    try:
+        probe.run(torch.zeros(2))
+    finally:
+        sys.setprofile(None)
+    assert switches == [] and callbacks == [None]
+
+    compiled = torch.compile(lambda x: probe.run(x * 2) * 3, backend="eager")
+    assert torch.equal(compiled(torch.ones(2)), torch.full((2,), 9.0))
+    assert callbacks[1:] == [None], callbacks  # run eagerly, Dynamo disabled inside it
+
+
+def test_map_tensors_returns_a_container_it_changed_nothing_in_as_it_was():
+    from fsdp_compile.runtime.structures import map_tensors, tensors_in
+
+    x = torch.ones(2)
+    tree = ((x, [x, 1, None]), {"mask": x, "flag": True})
+    assert map_tensors(lambda t: t, tree) is tree
+    doubled = map_tensors(lambda t: t * 2, tree)
+    assert doubled is not tree and tree[1]["mask"] is x
+    assert [t.sum().item() for t in tensors_in(doubled)] == [4.0, 4.0, 4.0]
+    assert type(doubled[0][1]) is list and doubled[0][1][1:] == [1, None] and doubled[1]["flag"] is True

@@ -370,6 +370,27 @@ def issue_reduce_scatter(
     return PendingReduceScatter(work, output, label, event, keep_alive=[reduce_input])
 
 
+def reduce_on_one_rank(grad: torch.Tensor, spec: ReduceSpec) -> torch.Tensor:
+    """The sharded gradient that a reduce-scatter over one rank makes of ``grad`` (its whole
+    gradient in the dim-0 view), without the flat buffer: see [Note: a reduction over a shard group
+    of one rank]. The arithmetic of ``issue_reduce_scatter``'s copy-in and copy-out, in their order:
+    cast to the reduce dtype, pre-divide, post-divide, cast to the gradient's dtype."""
+    value = grad if grad.dtype == spec.reduce_dtype else grad.to(spec.reduce_dtype)
+    if spec.pre_divide != 1.0:
+        value = value / spec.pre_divide
+    if spec.post_divide != 1.0:
+        value = value / spec.post_divide
+    return value if value.dtype == spec.grad_dtype else value.to(spec.grad_dtype)
+
+
+def record_reduction_on_one_rank(padded_numels: Callable[[], list[int]], spec: ReduceSpec, label: str) -> None:
+    """The log entry ``issue_reduce_scatter`` writes, for a reduction over one rank that issues none:
+    ``record_collectives()`` lists every group's reduction at any world size. ``padded_numels`` is
+    called only while a log is open."""
+    if _active_recorders:
+        record(CollectiveRecord("reduce_scatter", label, sum(padded_numels()), spec.reduce_input_dtype, "backward"))
+
+
 # [Note: the gradient wire's own chunk]
 # CommPolicy(reduce_wire_dtype=...) sends each rank's chunks of the gradient by all-to-all in the
 # wire dtype and sums what arrives in float32. Of the world chunks a rank sums, one is its own: it

@@ -18,6 +18,7 @@ from fsdp_compile.runtime.comm_context import CommContext, InFlightAllGather
 from fsdp_compile.kernels import ops, quantized, quantized_reference
 from fsdp_compile.runtime.mesh import MeshInfo, PostForwardMeshInfo
 from fsdp_compile.runtime.param import FSDPParam, ShardedState
+from torch._C._dynamo.eval_frame import get_eval_frame_callback as _dynamo_frame_callback
 
 __all__ = ["TrainingState", "FSDPParamGroup", "UnshardHandle"]
 
@@ -38,7 +39,18 @@ def _eager_only(method: Callable[..., Any]) -> Callable[..., Any]:
     we resize, never a transform's wrapper of one; and outside ``torch.inference_mode``, since those
     parameters and their buffers outlive the step: made as inference tensors by an evaluation
     forward, they could be neither written nor saved for backward by the training step after it
-    (PyTorch FSDP2 fails there: "Inplace update to inference tensor outside InferenceMode")."""
+    (PyTorch FSDP2 fails there: "Inplace update to inference tensor outside InferenceMode").
+
+    [Note: Dynamo's disable only where Dynamo runs]
+    ``torch._dynamo.disable(recursive=True)`` keeps Dynamo out of the frames a call makes by
+    switching its frame callback off and on around the call, four calls into Dynamo per call: some
+    twenty a block and step in eager training, where no callback is set and no frame would be
+    compiled anyway. The method is reached through ``call``, whose own frame Dynamo skips (a trace
+    reaching it breaks the graph there, as at a disabled function) and which takes the disabled path
+    only while a frame callback is set: inside a compiled function's call, where Dynamo would
+    compile the frames the method makes. (``torch._dynamo.decorators.skip``: ``disable(recursive=False)`` wraps
+    the function in one more Python frame.)
+    """
 
     @functools.wraps(method)
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -51,7 +63,16 @@ def _eager_only(method: Callable[..., Any]) -> Callable[..., Any]:
                 modes.enter_context(torch.inference_mode(False))
             return method(*args, **kwargs)
 
-    return torch._dynamo.disable(run, recursive=True)
+    disabled = torch._dynamo.disable(run, recursive=True)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if _dynamo_frame_callback() is None:
+            return run(*args, **kwargs)
+        return disabled(*args, **kwargs)
+
+    functools.update_wrapper(call, method, updated=())
+    del call.__wrapped__  # Dynamo's skip takes the function it is given, not what it wraps
+    return torch._dynamo.decorators.skip(call)
 
 
 class TrainingState(Enum):
@@ -81,6 +102,9 @@ class FSDPParamGroup:
         self.comm_policy = comm_policy
         for index, fsdp_param in enumerate(fsdp_params):
             fsdp_param.index_in_group = index
+        # Fixed per parameter at fully_shard, read by every unshard and reduction over one rank.
+        self._all_dim0_on_device = all(p.layout.dim == 0 and not p.offload_to_cpu for p in fsdp_params)
+        self._any_tensor_parallel = any(p.tensor_parallel is not None for p in fsdp_params)
         self.modules = modules
         self.label = label
         self.mesh_info = mesh_info
@@ -119,14 +143,25 @@ class FSDPParamGroup:
         # Marks the post-forward shards' copy (int reshard_after_forward): the next copy-in reads them.
         self._post_forward_shard_event: object = None
         self.ran_post_backward = False
+        self._reduce_spec_cache: tuple[MeshInfo, tuple, ReduceSpec] | None = None
 
     @property
     def reduce_spec(self) -> ReduceSpec:
-        """How this group's gradients are reduced now (its settings change it)."""
+        """How this group's gradients are reduced now (its settings change it). Made again only when
+        one of the settings it is made of changed: making it reads the process group's name, a
+        call into c10d, twice per group and step."""
         trained = self._dtype_holder
-        return ReduceSpec.for_group(
-            self.mesh_info, trained.reduce_dtype, trained.orig_dtype, self.gradient_divide_factor, self.comm_policy.reduce_wire_dtype
-        )
+        key = (trained.reduce_dtype, trained.orig_dtype, self.gradient_divide_factor, self.comm_policy.reduce_wire_dtype)
+        if torch.compiler.is_compiling():
+            # A trace makes its own, as before: writing the cache would be a side effect of the
+            # graph, and a spec read from it an object for Dynamo to guard on.
+            return ReduceSpec.for_group(self.mesh_info, *key)
+        cached = self._reduce_spec_cache
+        if cached is not None and cached[0] is self.mesh_info and cached[1] == key:
+            return cached[2]
+        spec = ReduceSpec.for_group(self.mesh_info, *key)
+        self._reduce_spec_cache = (self.mesh_info, key, spec)
+        return spec
 
     # --- dtypes -----------------------------------------------------------------------------
     # [Note: frozen parameters of another dtype]
@@ -216,7 +251,7 @@ class FSDPParamGroup:
             or self.comm_policy.quantizes_all_gather
         ):
             return False
-        return all(p.layout.dim == 0 and not p.offload_to_cpu for p in self.fsdp_params)
+        return self._all_dim0_on_device
 
     def _all_gather_inputs(self, reason: str, packed: bool = False) -> list:
         """Each member's all-gather input(s), on the device.
@@ -309,7 +344,8 @@ class FSDPParamGroup:
             with torch.no_grad():
                 outs = [p.unsharded_data_for_copy_out() for p in self.fsdp_params]
                 # One op for the group, casting as it copies: the shard is the whole parameter.
-                torch._foreach_copy_([out.view(-1) for out in outs], [p.all_gather_input().view(-1) for p in self.fsdp_params])
+                # A shard over one rank sharded on dim 0 has its parameter's shape: no view needed.
+                torch._foreach_copy_(outs, [p.all_gather_input() for p in self.fsdp_params])
             return pending
         gathered = pending.wait(self.comm)
         padded = [
@@ -392,6 +428,9 @@ class FSDPParamGroup:
                 grads.append(fsdp_param.layout.to_dim0(grad).contiguous())
         if not params:
             return
+        if self._reduces_on_one_rank():
+            self._write_reduced_on_one_rank(params, grads)
+            return
         # Older reductions finish now: a bounded number in flight bounds the reduce buffers' memory.
         self.comm.finish_reductions(keep=self.reduce_scatter_max_input_buffers - 1)
         pending = collectives.issue_reduce_scatter(
@@ -400,6 +439,41 @@ class FSDPParamGroup:
         )
         self._reduction_in_flight = (pending, params)
         self.comm.reducing_groups.append(self)
+
+    def _reduces_on_one_rank(self) -> bool:
+        """Whether this reduction is over a shard group of one rank and nothing needs its buffer.
+
+        [Note: a reduction over a shard group of one rank]
+        Over one rank (world size 1) a reduce-scatter issues no collective, and its copy-in into a
+        flat buffer and copy-out from it copy every gradient twice, with a Python loop each, to
+        compute ``grad / pre / post`` in the reduce dtype: ``collectives.reduce_on_one_rank``
+        computes the same values (bit for bit, so the compiled reduction still matches) straight
+        into the sharded gradient, written as the group's post-backward runs rather than when the
+        next group's reduction finishes it. Not where the buffer is needed: HSDP's all-reduce (its
+        replicas are other ranks), an all-reduce hook (it runs on the buffer), a custom reduce-
+        scatter, CommPolicy's gradient wire, a parameter sharded on a dim > 0, tensor parallelism
+        or CPU offload (their gradients take another layout or device).
+        """
+        return (
+            self.reduce_scatter_mesh_info.shard_size == 1 and self.mesh_info.replicate_group is None
+            and self.all_reduce_hook is None and self.custom_reduce_scatter is None
+            and self.comm_policy.reduce_wire_dtype is None and self._all_dim0_on_device and not self._any_tensor_parallel
+        )
+
+    def _write_reduced_on_one_rank(self, params: list[FSDPParam], grads: list[torch.Tensor]) -> None:
+        """See [Note: a reduction over a shard group of one rank]."""
+        spec = self.reduce_spec
+        collectives.record_reduction_on_one_rank(lambda: [p.padded_shard_numel for p in params], spec, self.label)
+        with torch.no_grad():
+            for fsdp_param, grad in zip(params, grads):
+                reduced = collectives.reduce_on_one_rank(grad, spec)
+                existing = fsdp_param.sharded_param.grad
+                if existing is None:
+                    fsdp_param.set_sharded_grad(reduced)
+                else:
+                    existing._local_tensor.add_(reduced)
+        for fsdp_param in params:
+            fsdp_param.run_post_accumulate_grad_hooks()
 
     def hold_reduction(self, params: list[FSDPParam], pending: collectives.PendingReduceScatter) -> None:
         """Keep a reduce-scatter a compiled backward issued for ``params`` (this group's) until

@@ -77,6 +77,7 @@ class _RootContext:
         self.comm = root.comm
         self.previous_forward_order: list[FSDPParamGroup] = []
         self.forward_order: list[FSDPParamGroup] = []
+        self._in_forward_order: set[int] = set()  # ids of forward_order's groups: a membership test per hook
         self.post_forward_order: list[FSDPParamGroup] = []
         self.next_in_forward: dict[int, FSDPParamGroup] = {}
         self.final_callback_queued = False
@@ -85,9 +86,23 @@ class _RootContext:
         if self.forward_order:
             self.previous_forward_order = self.forward_order
         self.forward_order = []
+        self._in_forward_order = set()
         self.post_forward_order = []
         order = self.previous_forward_order
         self.next_in_forward = {id(group): order[i + 1] for i, group in enumerate(order[:-1])}
+
+    def record_forward(self, group: FSDPParamGroup) -> None:
+        """``group`` ran forward in this step (its first forward sets its place in the order)."""
+        if id(group) not in self._in_forward_order:
+            self._in_forward_order.add(id(group))
+            self.forward_order.append(group)
+
+    def ran_forward(self, group: FSDPParamGroup) -> bool:
+        return id(group) in self._in_forward_order
+
+    def forget_forward_order(self) -> None:
+        self.forward_order = []
+        self._in_forward_order = set()
 
 
 class _PostBackwardTrigger(torch.autograd.Function):
@@ -349,8 +364,7 @@ class FSDPState:
             if entering_group:
                 self._modules_to_run_forward = {id(m) for m in self.modules}
             group.pre_forward()
-            if group not in ctx.forward_order:
-                ctx.forward_order.append(group)
+            ctx.record_forward(group)
             # Own copy-out first, then the next all-gather: the copy-out releases the previous
             # group's all-gather output, so at most two are alive ([Note: stream protocol]).
             group.wait_for_unshard()
@@ -429,7 +443,7 @@ class FSDPState:
                 state._finish_group_forward(ctx)
         # Forward prefetches of modules that did not run this step would pin memory until backward.
         for state in ctx.states:
-            if state.group is not None and state.group.has_unshard_in_flight and state.group not in ctx.forward_order:
+            if state.group is not None and state.group.has_unshard_in_flight and not ctx.ran_forward(state.group):
                 state.group.reshard()
 
     # --- backward -------------------------------------------------------------------------------
@@ -443,14 +457,21 @@ class FSDPState:
 
     def _hook_pre_backward_to_outputs(self, output: Any) -> Any:
         tensors = [x for x in tensors_in(output) if x.requires_grad]
-        if tensors:
-            register_multi_grad_hook(tensors, lambda grads: self._pre_backward(), mode="any")
+        if len(tensors) == 1:
+            # A hook on the one tensor fires once per backward through it, as a multi-grad hook
+            # ("any") over one tensor does, at a third of the cost of registering one.
+            tensors[0].register_hook(self._pre_backward_hook)
+        elif tensors:
+            register_multi_grad_hook(tensors, self._pre_backward_hook, mode="any")
         if torch._C._are_functorch_transforms_active():  # see [Note: pre-backward hooks under torch.func]
             return map_tensors(
                 lambda x: x if x.requires_grad or not (x.is_floating_point() or x.is_complex()) else _PreBackwardTrigger.apply(self, x),
                 output,
             )
         return output
+
+    def _pre_backward_hook(self, grad: Any) -> None:
+        self._pre_backward()
 
     def _pre_backward(self) -> None:
         if torch.compiler.is_compiling():
@@ -539,7 +560,7 @@ class FSDPState:
         self._release_staged_grads()
         if self.root_ctx is not None:
             self.root_ctx.post_forward_order = []
-            self.root_ctx.forward_order = []
+            self.root_ctx.forget_forward_order()
             # A failed backward never runs its queued end-of-backward callback.
             self.root_ctx.final_callback_queued = False
 

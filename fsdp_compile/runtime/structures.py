@@ -50,28 +50,63 @@ def _rebuild(tree: Any, children: list[Any]) -> Any:
     return rebuilt
 
 
+# Leaves met in every forward's arguments (flags, sizes, None): told apart from containers at once,
+# without the Mapping and dataclass checks of ``_children``.
+_SCALAR_TYPES = (type(None), bool, int, float, str, torch.dtype, torch.device)
+
+
 def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> Any:
     """``tree`` with every tensor ``t`` replaced by ``fn(t)``; containers are rebuilt, not mutated.
 
     Walks tuples (named ones too), lists, mappings (``dict`` subclasses keep their type, so an HF
     ``ModelOutput`` stays one) and dataclass instances (frozen ones too); anything else is a leaf
-    returned as is.
+    returned as is. A container none of whose tensors ``fn`` replaced is returned as it was, not
+    rebuilt: the hooks map every forward's arguments, and most of them change nothing.
 
     Example::
 
         half = map_tensors(lambda t: t.to(torch.bfloat16), (x, {"mask": mask}))
     """
+    return _map_tensors(fn, tree)[0]
+
+
+def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> tuple[Any, bool]:
+    """``map_tensors(fn, tree)`` and whether any tensor in it was replaced (told at the tensors:
+    Dynamo, which traces the hooks, compares tensors by identity but not containers)."""
     if isinstance(tree, torch.Tensor):
-        return fn(tree)
-    children = _children(tree)
-    if children is None:
-        return tree
-    return _rebuild(tree, [map_tensors(fn, child) for child in children])
+        mapped = fn(tree)
+        return mapped, mapped is not tree
+    if isinstance(tree, _SCALAR_TYPES):
+        return tree, False
+    kind = type(tree)
+    if kind is tuple or kind is list:
+        children = list(tree)
+    elif kind is dict:
+        children = list(tree.values())
+    else:
+        children = _children(tree)
+        if children is None:
+            return tree, False
+    pairs = [_map_tensors(fn, child) for child in children]
+    if not any(changed for _, changed in pairs):
+        return tree, False
+    return _rebuild(tree, [mapped for mapped, _ in pairs]), True
 
 
 def tensors_in(tree: Any) -> list[torch.Tensor]:
     """Every tensor in ``tree`` (the walk of :func:`map_tensors`), in walk order."""
+    found: list[torch.Tensor] = []
+    _collect_tensors(tree, found)
+    return found
+
+
+def _collect_tensors(tree: Any, found: list[torch.Tensor]) -> None:
     if isinstance(tree, torch.Tensor):
-        return [tree]
-    children = _children(tree)
-    return [] if children is None else [tensor for child in children for tensor in tensors_in(child)]
+        found.append(tree)
+        return
+    if isinstance(tree, _SCALAR_TYPES):
+        return
+    kind = type(tree)
+    children = tree if kind is tuple or kind is list else tree.values() if kind is dict else _children(tree)
+    for child in children or ():
+        _collect_tensors(child, found)
