@@ -55,7 +55,7 @@ class _TwoOutputs(nn.Module):
 
 def _output_left_out_of_the_loss(reshard_after_forward, backend, frames):
     torch._dynamo.reset()
-    fsdp_compile.config.compile_blocks_as_frames = frames
+    fsdp_compile.config.block_compile = "frames" if frames else "regions"
     torch.manual_seed(0)
     reference = _TwoOutputs()
     models = []
@@ -84,7 +84,7 @@ def _output_left_out_of_the_loss(reshard_after_forward, backend, frames):
         ((out1.sum() + (out2.sum() if use_both else 0)) / world).backward()
         reference_optimizer.step()
         reference_optimizer.zero_grad()
-    fsdp_compile.config.compile_blocks_as_frames = True
+    fsdp_compile.config.block_compile = "frames"
     (eager, _, _), (compiled, _, _) = models
     return {
         "compiled_vs_eager": _gap(eager, compiled),
@@ -395,7 +395,7 @@ def _composable_checkpoint(nested, hsdp=False, tied=False, frames=True, checkpoi
     from torch.distributed._composable import checkpoint
 
     torch._dynamo.reset()
-    fsdp_compile.config.compile_blocks_as_frames = frames
+    fsdp_compile.config.block_compile = "frames" if frames else "regions"
     torch.manual_seed(0)
     reference = _CheckpointedLM(tied=tied)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -429,7 +429,7 @@ def _composable_checkpoint(nested, hsdp=False, tied=False, frames=True, checkpoi
         (sum(losses) / world).backward()
         reference_optimizer.step()
         reference_optimizer.zero_grad()
-    fsdp_compile.config.compile_blocks_as_frames = True
+    fsdp_compile.config.block_compile = "frames"
     return _gaps(*results, reference)
 
 
