@@ -100,7 +100,7 @@ modes (all run in one process per rank, interleaved step by step: A B C A B C ..
                       as a frame of its own, one graph for identical blocks
   ours-fallback       the same, fsdp_compile.config.skip_fsdp_hooks = True around each step,
                       torch.compile(model, backend="inductor")
-  ours-compiled-regions  ours-compiled with fsdp_compile.config.compile_blocks_as_frames = False around
+  ours-compiled-regions  ours-compiled with fsdp_compile.config.block_compile = "regions" around
                       each step: the whole model one graph, a nested compile region per block (not in
                       the default set)
   ours-blockcompile   fsdp_compile.fully_shard per block + root, block.compile(backend="fsdp_inductor")

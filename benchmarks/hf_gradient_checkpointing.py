@@ -1,6 +1,6 @@
 """``python -m benchmarks.hf_gradient_checkpointing [LAYERS ...]``: a Hugging Face Llama under gradient
 checkpointing, compiled whole with ``fsdp_inductor``, its layers as block frames (the default) and as
-regions of one graph (``fsdp_compile.config.compile_blocks_as_frames = False``).
+regions of one graph (``fsdp_compile.config.block_compile = "regions"``).
 
 Each (depth, mode) runs in fresh rank processes with an empty Inductor cache of its own; it prints
 the first step's seconds (cold compile and one step) and the later steps' milliseconds. Needs
@@ -41,7 +41,7 @@ def _one_run(run: _Run) -> None:
     from fsdp_compile import config, fully_shard
 
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = run.cache_dir
-    config.compile_blocks_as_frames = run.as_frames
+    config.block_compile = "frames" if run.as_frames else "regions"
     device = torch.device(run.device_type, torch.cuda.current_device()) if run.device_type == "cuda" else torch.device("cpu")
     torch.manual_seed(0)
     model_config = transformers.LlamaConfig(

@@ -108,7 +108,7 @@ def _shard(model: nn.Module, fully_shard, policy, **kwargs) -> nn.Module:
     return model
 
 
-def _config_switch(name: str, value: bool = True) -> Callable[[], ContextManager]:
+def _config_switch(name: str, value: object = True) -> Callable[[], ContextManager]:
     """A context that sets ``fsdp_compile.config.<name>`` to ``value`` while it is open."""
 
     @contextlib.contextmanager
@@ -144,9 +144,9 @@ def build_mode(name: str, config: TransformerConfig | hf_llama.HFLlamaConfig, de
             runnable = torch.compile(model, backend=fsdp_inductor_with(_PASSES[name]))
         elif name == "ours-compiled-regions":
             # The whole model as one graph, a nested compile region per block
-            # (fsdp_compile.config.compile_blocks_as_frames off only during this mode's steps); its own
+            # (fsdp_compile.config.block_compile = "regions" only during this mode's steps); its own
             # backend object, as for the modes above.
-            step_context = _config_switch("compile_blocks_as_frames", False)
+            step_context = _config_switch("block_compile", "regions")
             runnable = torch.compile(model, backend=fsdp_inductor_with(PassConfig()))
         elif name == "ours-blockcompile":
             # torchtitan's per-block recipe on ours: each block's forward compiled alone, the eager

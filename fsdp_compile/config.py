@@ -7,7 +7,9 @@ Set them as module attributes before the code they affect runs::
 """
 from __future__ import annotations
 
-__all__ = ["skip_fsdp_hooks", "graph_check_timeout_s", "compile_blocks_once", "compile_blocks_as_frames"]
+from typing import Literal
+
+__all__ = ["skip_fsdp_hooks", "graph_check_timeout_s", "block_compile", "BLOCK_COMPILE_CHOICES", "block_compile_is"]
 
 # Under torch.compile, run the FSDP hooks eagerly between compiled regions (graph breaks)
 # instead of tracing collectives into the graph. Numerics equal the eager runtime.
@@ -17,21 +19,37 @@ skip_fsdp_hooks: bool = False
 # collective) for the other ranks to compile the same; see [Note: cross-rank graph check].
 graph_check_timeout_s: float = 300.0
 
-# Under fsdp_inductor (and fsdp_aot_eager), where blocks are not compiled as frames (below), compile the
-# body of structurally identical fully_shard blocks once and reuse it (a nested compile region per block;
-# see [Note: compile once per block] in regions.py). False, or another backend (trace_context.traced_for_an_fsdp_backend): every block is traced
-# and compiled inline, as one graph.
-compile_blocks_once: bool = True
+# How a whole-model torch.compile under fsdp_inductor (and fsdp_aot_eager) compiles the fully_shard
+# blocks inside the model (another backend, trace_context.traced_for_an_fsdp_backend, always traces them inline):
+# - "frames" (the default): each block is a Dynamo frame of its own, one graph for all identical blocks
+#   (compile time flat with depth); its graph all-gathers the block (a node that takes the all-gather
+#   the block before it issued ahead, and issues the next block's), and its backward gathers again and
+#   reduce-scatters in its graph. Where a trace may not break (fullgraph=True, a block called inside its
+#   caller's checkpoint()), blocks are regions as below. See [Note: blocks compiled as frames] in frames.py.
+# - "regions": the whole model is one graph, each block a nested compile region of it whose body is
+#   compiled once for all identical blocks ([Note: compile once per block] in regions.py); its
+#   collectives are graph nodes that the passes bucket and reorder across blocks, at a compile time
+#   that grows with depth.
+# - "inline": one graph, every block traced inline.
+BLOCK_COMPILE_CHOICES = ("frames", "regions", "inline")
+block_compile: Literal["frames", "regions", "inline"] = "frames"
 
-# Under fsdp_inductor (and fsdp_aot_eager), a whole-model torch.compile compiles each block as a
-# Dynamo frame of its own, one graph for all identical blocks (compile time flat with depth): its
-# graph all-gathers the block (a node that takes the all-gather the block before it issued ahead, and
-# issues the next block's), and its backward gathers again and reduce-scatters in its graph. On by
-# default; False: the whole model is one graph, each block a nested compile region of it
-# (compile_blocks_once), its collectives graph nodes that the passes bucket and reorder across blocks,
-# at a compile time that grows with depth. fullgraph=True, which allows no frame, keeps the regions;
-# see [Note: blocks compiled as frames] in frames.py.
-compile_blocks_as_frames: bool = True
+
+def block_compile_is(mode: str) -> bool:
+    """Whether ``block_compile`` is ``mode``; a value outside ``BLOCK_COMPILE_CHOICES`` is refused with
+    the values allowed.
+
+    Example::
+
+        fsdp_compile.config.block_compile = "regions"
+        assert fsdp_compile.config.block_compile_is("regions")
+    """
+    if block_compile not in BLOCK_COMPILE_CHOICES or mode not in BLOCK_COMPILE_CHOICES:
+        wrong = block_compile if block_compile not in BLOCK_COMPILE_CHOICES else mode
+        raise ValueError(
+            f"fsdp_compile.config.block_compile = {wrong!r}: choose one of {', '.join(map(repr, BLOCK_COMPILE_CHOICES))}"
+        )
+    return block_compile == mode
 
 
 # --- Graph passes of backend="fsdp_inductor" / "fsdp_aot_eager" (docs/design.md section 5.3) ------

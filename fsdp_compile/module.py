@@ -134,7 +134,7 @@ class FSDPModule:
                 "Numerics are unchanged; its collectives are not part of the compiled graph.",
                 stacklevel=2,
             )
-        if config.compile_blocks_as_frames and root.frames_forward_running:
+        if config.block_compile_is("frames") and root.frames_forward_running:
             # A frame one rank runs eagerly while another runs it compiled gathers and reduces at other
             # points (the root's group, the backward prefetch): told apart here, before its collectives,
             # as ranks entering different blocks are ([Note: ranks entering different block frames] in
@@ -151,7 +151,7 @@ class FSDPModule:
 
         On the root (the whole model): each block compiled as a Dynamo frame of its own, one graph
         for all identical blocks (see [Note: blocks compiled as frames] in compile/frames.py; with
-        ``config.compile_blocks_as_frames = False`` or ``fullgraph=True``, one graph with the
+        ``config.block_compile = "regions"`` or ``fullgraph=True``, one graph with the
         all-gathers and reduce-scatters in it and a nested compile region per block, see
         [Note: compile once per block] in compile/regions.py). On a block (torchtitan's per-block recipe,
         ``for block in model.layers: block.compile(backend="fsdp_inductor")``): the block's forward

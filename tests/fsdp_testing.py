@@ -254,20 +254,20 @@ def assert_matches_reference(results: list, loss_rtol: float, param_atol: float)
 
 
 @contextlib.contextmanager
-def blocks_as_frames(on: bool = True, recompile_limit: int | None = None):
-    """``fsdp_compile.config.compile_blocks_as_frames`` set to ``on`` (the default is True; False:
-    the whole model is one graph with a nested compile region per block), and Dynamo's
-    ``recompile_limit`` where given, for the duration."""
+def block_compile_mode(mode: str = "frames", recompile_limit: int | None = None):
+    """``fsdp_compile.config.block_compile`` set to ``mode`` ("frames", the default: a Dynamo frame per
+    block; "regions": the whole model one graph with a nested compile region per block; "inline"),
+    and Dynamo's ``recompile_limit`` where given, for the duration."""
     import fsdp_compile
 
-    previous = fsdp_compile.config.compile_blocks_as_frames, torch._dynamo.config.recompile_limit
-    fsdp_compile.config.compile_blocks_as_frames = on
+    previous = fsdp_compile.config.block_compile, torch._dynamo.config.recompile_limit
+    fsdp_compile.config.block_compile = mode
     if recompile_limit is not None:
         torch._dynamo.config.recompile_limit = recompile_limit
     try:
         yield
     finally:
-        fsdp_compile.config.compile_blocks_as_frames, torch._dynamo.config.recompile_limit = previous
+        fsdp_compile.config.block_compile, torch._dynamo.config.recompile_limit = previous
 
 
 def wait_for_background_run(started: tuple, what: str, timeout_s: float = 600) -> tuple[str, object]:

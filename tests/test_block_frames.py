@@ -1,4 +1,4 @@
-"""``config.compile_blocks_as_frames``: a whole-model torch.compile compiles each block as a Dynamo
+"""``config.block_compile = "frames"``: a whole-model torch.compile compiles each block as a Dynamo
 frame of its own ([Note: blocks compiled as frames] in fsdp_compile/module.py). One graph serves every
 identical block at any depth, its group's collectives in it; the groups outside blocks still gather and
 reduce once per step; numerics, settings and frames Dynamo runs eagerly behave as in the other modes."""
@@ -24,7 +24,7 @@ from fsdp_compile.passes.graph import ALL_GATHER, DELIVER_REDUCE_SCATTER_LATE, F
 from fsdp_compile.compile.frames import FramePrefetch as _FrameGather
 from fsdp_compile.runtime.state import live_states
 from torch.utils.checkpoint import checkpoint
-from fsdp_testing import blocks_as_frames
+from fsdp_testing import block_compile_mode
 from test_compile_blocks import _IndexedBlock, _modules_run_eagerly, _param_gap, _shard, _tokens, _train, steady_state_schedule
 from test_compile_graphs import _saved_all_gather_outputs
 from test_compiled_settings import _refused
@@ -56,9 +56,10 @@ def _collectives_per_step(model: nn.Module, runner: nn.Module, steps: int) -> li
 
 def _owner(gather: _FrameGather) -> tuple[str, bool]:
     """The block label and direction (backward: True) of a block's ``_FrameGather``."""
-    for state in live_states():
-        if gather in state.frame_gathers:
-            return state.label, state.frame_gathers.index(gather) == 1
+    for root in live_states():
+        for state, block in root.root_frames.blocks.items():
+            if gather in block.gathers:
+                return state.label, block.gathers.index(gather) == 1
     raise AssertionError("a frame gather of no live block")
 
 
@@ -109,7 +110,7 @@ def _frames_against_eager(layers: int, backend: str, param_dtype_name: str | Non
     policy = MixedPrecisionPolicy(param_dtype=getattr(torch, param_dtype_name) if param_dtype_name else None)
     reference = _model(layers, distinct_first)
     eager, compiled = _shard(copy.deepcopy(reference), policy), _shard(copy.deepcopy(reference), policy)
-    with blocks_as_frames(), observe_graphs() as graphs, _frame_gathers() as gathers:
+    with block_compile_mode("frames"), observe_graphs() as graphs, _frame_gathers() as gathers:
         runner = torch.compile(compiled, backend=backend)
         compiled_collectives = _collectives_per_step(compiled, runner, 2)
         gathers_of_two_steps = {backward: list(events) for backward, events in gathers.items()}
@@ -251,13 +252,13 @@ def _self_checkpointing_blocks_against_eager(layers: int):
         block.__class__ = _SelfCheckpointingBlock
     eager, compiled = _shard(copy.deepcopy(reference), MixedPrecisionPolicy()), _shard(copy.deepcopy(reference), MixedPrecisionPolicy())
     tokens = _tokens(2, 12, seed=3)
-    with blocks_as_frames(), observe_graphs() as graphs, warnings.catch_warnings(record=True) as caught:
+    with block_compile_mode("frames"), observe_graphs() as graphs, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         runner = torch.compile(compiled, backend="fsdp_aot_eager")
         compiled_losses = _train(runner, 2, seed=7)
     eager_losses = _train(eager, 2, seed=7)
     param_gap = _param_gap(eager, compiled)  # before eval: the root keeps its parameters unsharded after a forward
-    with blocks_as_frames(), observe_graphs(), torch.no_grad():
+    with block_compile_mode("frames"), observe_graphs(), torch.no_grad():
         compiled_eval = runner.eval()(tokens)
     with torch.no_grad():
         eager_eval = eager.eval()(tokens)
@@ -304,7 +305,7 @@ def _frames_run_eagerly(case: str):
     if case == "explicit_prefetch":
         compiled.layers[0].set_modules_to_forward_prefetch([compiled.layers[2]])
     seqs = (12, 12)
-    with blocks_as_frames():
+    with block_compile_mode("frames"):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             runner = torch.compile(compiled, backend="fsdp_aot_eager", dynamic=False, fullgraph=case == "fullgraph")
@@ -356,7 +357,7 @@ def _a_block_disabled_after_its_frame_compiled():
     torch._dynamo.reset()
     reference = _model(3)
     eager, compiled = _shard(copy.deepcopy(reference), MixedPrecisionPolicy()), _shard(copy.deepcopy(reference), MixedPrecisionPolicy())
-    with blocks_as_frames():
+    with block_compile_mode("frames"):
         runner = torch.compile(compiled, backend="fsdp_aot_eager")
         compiled_losses = _train(runner, 2, seed=7)  # every block's forward all-gather learned
         compiled.layers[1].forward = torch.compiler.disable(compiled.layers[1].forward)
@@ -407,7 +408,7 @@ def _backward_gathers_after_a_step_that_skips_a_block() -> list[tuple[str, str, 
     model = _SkippingTransformer(TransformerConfig(vocab_size=32, dim=16, n_layers=3, n_heads=2, max_seq_len=16))
     model.skip = frozenset()
     _shard(model, MixedPrecisionPolicy())
-    with blocks_as_frames(), _frame_gathers() as gathers:
+    with block_compile_mode("frames"), _frame_gathers() as gathers:
         events = gathers[True]
         runner = torch.compile(model, backend="fsdp_aot_eager")
         _train(runner, 2)
@@ -461,7 +462,7 @@ def _late_reduce_scatter_waits():
     reference = _model(3)
     eager, compiled = _shard(copy.deepcopy(reference), MixedPrecisionPolicy()), _shard(copy.deepcopy(reference), MixedPrecisionPolicy())
     tokens = _tokens(2, 12, seed=torch.distributed.get_rank())
-    with blocks_as_frames(), observe_graphs() as graphs, _reductions_handed_over() as events:
+    with block_compile_mode("frames"), observe_graphs() as graphs, _reductions_handed_over() as events:
         runner = torch.compile(compiled, backend="fsdp_inductor")
         for _ in range(2):  # the second backward: each block's gather learned, prefetches taken
             compiled.zero_grad()
@@ -504,7 +505,7 @@ def _steady_state_of_frames():
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     model = _shard(_model(2), MixedPrecisionPolicy())
-    with blocks_as_frames():
+    with block_compile_mode("frames"):
         return steady_state_schedule(model, torch.compile(model, backend="fsdp_aot_eager"))
 
 
@@ -528,7 +529,7 @@ def _a_frame_run_eagerly_on_one_rank() -> str:
     previous_limit = torch._dynamo.config.recompile_limit
     torch._dynamo.config.recompile_limit = 1 if torch.distributed.get_rank() == 0 else 8
     try:
-        with blocks_as_frames(), warnings.catch_warnings():
+        with block_compile_mode("frames"), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             runner = torch.compile(model, backend="fsdp_aot_eager", dynamic=False)
             try:
@@ -563,7 +564,7 @@ def test_a_block_frame_run_eagerly_on_one_rank_only_fails_before_its_collectives
 
 
 def _refused_with_frames(setting: str) -> str:
-    with blocks_as_frames():
+    with block_compile_mode("frames"):
         return _refused(setting)
 
 
@@ -579,7 +580,7 @@ def _root_parameter_read_after_a_compiled_forward():
     from test_comm_policy import _Weighted
 
     torch._dynamo.reset()
-    with blocks_as_frames():
+    with block_compile_mode("frames"):
         model = _Weighted()
         fsdp_compile.fully_shard(model)
         torch.compile(model, backend="fsdp_aot_eager")(torch.full((8192,), float(torch.distributed.get_rank() + 1))).backward()

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import fsdp_compile
 from fsdp_compile.models import next_token_loss
 from fsdp_compile.passes.graph import DELIVER_GRADIENT, DELIVER_REDUCE_SCATTER_LATE
-from fsdp_testing import UNEVEN, blocks_as_frames, build_reference, global_batches, local_part, make_optimizer, shard_model, sharded_copy
+from fsdp_testing import UNEVEN, block_compile_mode, build_reference, global_batches, local_part, make_optimizer, shard_model, sharded_copy
 
 STEPS = 3
 
@@ -236,7 +236,7 @@ class DivergedCompile(NamedTuple):
 
 
 def _rank_dependent_control_flow(frames: bool):
-    with blocks_as_frames(frames):
+    with block_compile_mode("frames" if frames else "regions"):
         return _rank_dependent_control_flow_in_this_mode()
 
 

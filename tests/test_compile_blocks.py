@@ -22,7 +22,7 @@ from fsdp_compile import MixedPrecisionPolicy, fully_shard
 from fsdp_compile.compile.backend import observe_graphs
 from fsdp_compile.passes.graph import ALL_GATHER, GROUP_KEY, fsdp_annotation, pass_counters
 from fsdp_compile.models import Transformer, TransformerConfig, next_token_loss
-from fsdp_testing import TinyLM, blocks_as_frames
+from fsdp_testing import TinyLM, block_compile_mode
 from test_compile_graphs import _saved_all_gather_outputs
 
 DEEP = TransformerConfig(vocab_size=32, dim=16, n_layers=12, n_heads=2, max_seq_len=16)
@@ -263,7 +263,7 @@ def _whole_model_regions(layers: int, backend: str, reshard_blocks: bool, tiny: 
         _calls_counted("torch._dynamo.variables.invoke_subgraph", "build_fingerprint_with_pytree") as pytree_fingerprints,
         # Re-traces of a region body for its schema ([Note: a region body's schema, once per compile] in backend.py).
         _calls_counted("torch._higher_order_ops.utils", "materialize_as_graph") as body_retraces,
-        blocks_as_frames(False),  # a nested compile region per block in the one graph
+        block_compile_mode("regions"),  # a nested compile region per block in the one graph
     ):
         compiled_losses = _train(torch.compile(compiled, backend=backend), len(seqs), seqs=seqs)
     eager_losses = _train(eager, len(seqs), seqs=seqs)
@@ -349,6 +349,49 @@ def test_whole_model_regions_under_inductor_match_eager(dist):
     assert result["param_gap"] < 1e-5
 
 
+def _whole_model_in_block_compile_mode(mode: str):
+    """Two fsdp_aot_eager steps of a 3-block model under ``config.block_compile = mode``: the forward
+    graphs of block frames, the region calls, against the same model trained eagerly."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    reference = TinyLM(n_layers=3)
+    eager, compiled = _shard(copy.deepcopy(reference), MixedPrecisionPolicy()), _shard(copy.deepcopy(reference), MixedPrecisionPolicy())
+    torch._dynamo.utils.counters.clear()
+    with observe_graphs() as graphs, block_compile_mode(mode):
+        compiled_losses = _train(torch.compile(compiled, backend="fsdp_aot_eager"), 2)
+    invoke = torch.ops.higher_order.invoke_subgraph
+    forwards = [g for kind, g in graphs if kind == "forward"]
+    return {
+        "frame_graphs": sum(
+            any("(block frame)" in str((fsdp_annotation(n) or {}).get(GROUP_KEY, "")) for n in g.graph.nodes) for g in forwards
+        ),
+        "region_calls": sum(n.target is invoke for g in forwards for n in g.graph.nodes),
+        "eager_losses": _train(eager, 2),
+        "compiled_losses": compiled_losses,
+        "param_gap": _param_gap(eager, compiled),
+    }
+
+
+@pytest.mark.parametrize("mode", ["frames", "regions", "inline"])
+def test_block_compile_mode_picks_frames_regions_or_inline_blocks_and_trains_like_eager(dist, mode):
+    result = dist.run(2, _whole_model_in_block_compile_mode, mode)[0]
+    if mode == "frames":  # one graph for the three identical blocks' frames; no region
+        assert result["frame_graphs"] == 1 and result["region_calls"] == 0, result
+    elif mode == "regions":  # a region call per block in the model's graph
+        assert result["frame_graphs"] == 0 and result["region_calls"] == 3, result
+    else:  # every block traced inline
+        assert result["frame_graphs"] == 0 and result["region_calls"] == 0, result
+    assert result["compiled_losses"] == pytest.approx(result["eager_losses"], rel=1e-5), result
+    assert result["param_gap"] < 1e-5, result
+
+
+def test_an_unknown_block_compile_mode_is_refused_naming_the_modes():
+    import fsdp_compile
+
+    with block_compile_mode("region"), pytest.raises(ValueError, match="block_compile = 'region'.*'frames', 'regions', 'inline'"):
+        fsdp_compile.config.block_compile_is("frames")
+
+
 def _whole_model_under_torchs_inductor():
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -405,7 +448,7 @@ class _CountingBlock(nn.Linear):
 
 
 def _whole_model_of_blocks_writing_buffers(block: type, frames: bool = True):
-    with blocks_as_frames(frames):
+    with block_compile_mode("frames" if frames else "regions"):
         return _whole_model_of_blocks_writing_buffers_in_this_mode(block)
 
 
@@ -450,7 +493,7 @@ def test_whole_model_traces_blocks_keeping_running_stats_inline_and_matches_eage
 
 def test_a_block_region_writing_its_buffer_is_refused_with_the_way_out(dist):
     result = dist.run(2, _whole_model_of_blocks_writing_buffers, _CountingBlock, False)[0]
-    assert result["error"] and "fsdp_compile.config.compile_blocks_once = False" in result["error"], result
+    assert result["error"] and 'fsdp_compile.config.block_compile = "inline"' in result["error"], result
 
 
 def test_a_block_frame_writing_its_buffer_compiles_and_writes_it(dist):
@@ -645,7 +688,7 @@ def _whole_model_where_dynamos_body_reuse_stops(case: str):
     regions, but in the ``_under_frames`` form, where blocks compile as frames (the default) and a
     block called inside checkpoint() is a region of its caller's graph all the same (a frame cannot
     break a higher-order op's graph)."""
-    with blocks_as_frames(case.endswith("_under_frames")):
+    with block_compile_mode("frames" if case.endswith("_under_frames") else "regions"):
         return _whole_model_where_dynamos_body_reuse_stops_as_regions(case.removesuffix("_under_frames"))
 
 

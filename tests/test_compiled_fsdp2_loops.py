@@ -55,7 +55,7 @@ class _TwoOutputs(nn.Module):
 
 def _output_left_out_of_the_loss(reshard_after_forward, backend, frames):
     torch._dynamo.reset()
-    fsdp_compile.config.compile_blocks_as_frames = frames
+    fsdp_compile.config.block_compile = "frames" if frames else "regions"
     torch.manual_seed(0)
     reference = _TwoOutputs()
     models = []
@@ -84,7 +84,7 @@ def _output_left_out_of_the_loss(reshard_after_forward, backend, frames):
         ((out1.sum() + (out2.sum() if use_both else 0)) / world).backward()
         reference_optimizer.step()
         reference_optimizer.zero_grad()
-    fsdp_compile.config.compile_blocks_as_frames = True
+    fsdp_compile.config.block_compile = "frames"
     (eager, _, _), (compiled, _, _) = models
     return {
         "compiled_vs_eager": _gap(eager, compiled),
@@ -395,7 +395,7 @@ def _composable_checkpoint(nested, hsdp=False, tied=False, frames=True, checkpoi
     from torch.distributed._composable import checkpoint
 
     torch._dynamo.reset()
-    fsdp_compile.config.compile_blocks_as_frames = frames
+    fsdp_compile.config.block_compile = "frames" if frames else "regions"
     torch.manual_seed(0)
     reference = _CheckpointedLM(tied=tied)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -429,7 +429,7 @@ def _composable_checkpoint(nested, hsdp=False, tied=False, frames=True, checkpoi
         (sum(losses) / world).backward()
         reference_optimizer.step()
         reference_optimizer.zero_grad()
-    fsdp_compile.config.compile_blocks_as_frames = True
+    fsdp_compile.config.block_compile = "frames"
     return _gaps(*results, reference)
 
 
@@ -460,9 +460,12 @@ def test_composable_activation_checkpointing_with_hsdp_trains_compiled_as_eagerl
 
 def _collectives_over_one_shard_rank(hsdp):
     """Eager and compiled training where the shard group is one rank (world size 1, or HSDP with
-    (world, 1)); the c10d ops the profiler sees in the compiled steps, by kind."""
+    (world, 1)); the c10d ops the profiler sees in the compiled steps, by kind, and the calls of the
+    compiled graphs that hand a gradient to the runtime instead of returning it."""
     from torch.profiler import profile
 
+    from fsdp_compile.compile.backend import observe_graphs
+    from fsdp_compile.passes.graph import DELIVER_GRADIENT, DELIVER_REDUCE_SCATTER_LATE
     from fsdp_testing import TinyLM
 
     torch._dynamo.reset()
@@ -475,6 +478,16 @@ def _collectives_over_one_shard_rank(hsdp):
         model = shard_model(copy.deepcopy(reference), fully_shard, mesh=mesh)
         models.append((model, torch.compile(model, backend="fsdp_aot_eager") if compiled else model))
     seen: dict[str, int] = {}
+    with observe_graphs() as graphs:
+        _train_over_one_shard_rank(models, seen, profile)
+    deliveries = sum(
+        node.target in (DELIVER_GRADIENT, DELIVER_REDUCE_SCATTER_LATE) for kind, graph in graphs if kind != "joint"
+        for node in graph.graph.nodes
+    )
+    return {"collectives": seen, "compiled_vs_eager": _gap(models[0][0], models[1][0]), "gradient_deliveries": deliveries}
+
+
+def _train_over_one_shard_rank(models, seen: dict[str, int], profile) -> None:
     for step in range(3):
         tokens = torch.randint(0, 37, (2, 6), generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
         for index, (model, runner) in enumerate(models):
@@ -488,12 +501,14 @@ def _collectives_over_one_shard_rank(hsdp):
                 for p in model.parameters():
                     p -= 0.1 * p.grad
                     p.grad = None
-    return {"collectives": seen, "compiled_vs_eager": _gap(models[0][0], models[1][0])}
 
 
 def test_a_shard_group_of_one_rank_issues_no_collective_compiled_as_eagerly(dist):
     result = dist.run(1, _collectives_over_one_shard_rank, False)[0]
     assert result["collectives"] == {}, result  # 60 c10d ops a step before [Note: no collective over one rank]
+    # Nothing in flight to hand over: the block frames' gradients are returned to autograd, not
+    # delivered one parameter at a time ([Note: the cost of entering a block frame]).
+    assert result["gradient_deliveries"] == 0, result
     assert max(result["compiled_vs_eager"].values()) == 0.0, result
 
 

@@ -71,7 +71,7 @@ def _accumulate_compiled_and_eager(backend: str, hybrid: bool = False, micro_bat
 # Graphs compiled again when a micro-batch syncs after ones that did not: the graphs that hold a
 # group's reduce-scatter. Blocks as frames (the default): the blocks' one frame and the root's first
 # graph (its group's reads; the later graphs take what it gathered). As one graph: that graph.
-_GRAPHS_RECOMPILED_FOR_SYNC = 2 if fsdp_compile.config.compile_blocks_as_frames else 1
+_GRAPHS_RECOMPILED_FOR_SYNC = 2 if fsdp_compile.config.block_compile_is("frames") else 1
 
 
 def test_compiled_accumulation_without_sync_reduce_scatters_only_in_the_last_micro_batch(dist):

@@ -2,7 +2,7 @@
 
 * Parity with the unsharded model, in fp32 and in bf16 mixed precision, for our eager runtime,
   the whole model compiled with block frames (the default) and as one graph of regions
-  (``config.compile_blocks_as_frames = False``), and per-block compile (``block.compile``), plus
+  (``config.block_compile = "regions"``), and per-block compile (``block.compile``), plus
   our eager runtime against PyTorch's FSDP2 on the same GPU.
 * The stream protocol ([Note: stream protocol] in fsdp_compile/comm_context.py) on real CUDA
   streams and events, and a few training steps under PyTorch's CUDA sanitizer (CSAN), which
@@ -36,7 +36,7 @@ import fsdp_compile.runtime.comm_context as comm_context
 from conftest import REPO_DIR, TESTS_DIR, free_port
 from fsdp_compile.runtime.device import DeviceHandle
 from fsdp_compile.models import Transformer, TransformerConfig, next_token_loss
-from fsdp_testing import blocks_as_frames, build_reference, global_batches, shard_model
+from fsdp_testing import block_compile_mode, build_reference, global_batches, shard_model
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (on a GPU machine: python -m benchmarks.gpu, docs/gpu.md)"
@@ -131,7 +131,7 @@ def _sharded(mode: str, reference: nn.Module, bf16: bool) -> tuple[nn.Module, Ca
     if mode == "frames":  # the default: each block a frame of its own
         return model, torch.compile(model, backend="fsdp_inductor"), contextlib.nullcontext
     if mode == "regions":  # the whole model one graph, a nested region per block
-        return model, torch.compile(model, backend="fsdp_inductor"), lambda: blocks_as_frames(False)
+        return model, torch.compile(model, backend="fsdp_inductor"), lambda: block_compile_mode("regions")
     if mode == "blockcompile":  # torchtitan's recipe on ours
         for block in model.layers:
             block.compile(backend="fsdp_inductor")
@@ -609,7 +609,7 @@ def test_triton_sum_rows_copy_out_equals_reference_on_cuda(cuda, compiled_quanti
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 def test_compiled_training_matches_the_unsharded_model(cuda, mode, bf16):
     """frames: torch.compile(model, backend="fsdp_inductor"), each block a frame (the default);
-    regions: the same with config.compile_blocks_as_frames off, one graph with a region per block;
+    regions: the same with config.block_compile = "regions", one graph with a region per block;
     blockcompile: block.compile(backend="fsdp_inductor") per block after fully_shard."""
     _check_against_unsharded(cuda, mode, bf16)
 

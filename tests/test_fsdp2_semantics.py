@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 import fsdp_compile
 from fsdp_compile import FSDPModule, MixedPrecisionPolicy, fully_shard
 from fsdp_compile.compile.backend import observe_graphs
-from fsdp_testing import blocks_as_frames, count_process_group_calls, local_part, max_difference
+from fsdp_testing import block_compile_mode, count_process_group_calls, local_part, max_difference
 
 DIM = 8
 
@@ -183,7 +183,7 @@ def _checkpointing_with_mixed_precision(compile_mode: str | None):
     # Compiled, both forms as one graph with a region per block: a block called inside checkpoint()
     # is compiled so in its caller's graph anyway, and a plain block as a frame of its own would be
     # fused apart from its neighbours, its bf16 rounding no longer the checkpointed form's.
-    with blocks_as_frames(False):
+    with block_compile_mode("regions"):
         return _checkpointing_with_mixed_precision_compiled_alike(compile_mode)
 
 

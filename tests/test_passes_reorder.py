@@ -328,5 +328,5 @@ def test_backends_with_different_passes_never_share_graphs():
         dist.destroy_process_group()
     # Per parameter, then one per group: the blocks' and the root's as one graph; blocks compiled as
     # frames (the default): the root's graph and the one frame graph every block runs, one each.
-    assert gathers[0] > gathers[1] == (2 if fsdp_compile.config.compile_blocks_as_frames else 3), gathers
+    assert gathers[0] > gathers[1] == (2 if fsdp_compile.config.block_compile_is("frames") else 3), gathers
     assert forward_graphs[0] == forward_graphs[1] > 0, forward_graphs  # the second model reused none

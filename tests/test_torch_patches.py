@@ -34,5 +34,5 @@ def test_a_feature_whose_patch_does_not_apply_is_refused_naming_the_patch_and_th
     outside = dataclasses.replace(patch, first=(1, 0), last=(1, 1))
     monkeypatch.setitem(torch_patches._BY_NAME, patch.name, outside)
     monkeypatch.setattr(torch_patches, "_applied", set())
-    with pytest.raises(NotImplementedError, match="recompile limit per block structure.*compile_blocks_as_frames = False"):
+    with pytest.raises(NotImplementedError, match="recompile limit per block structure.*block_compile = \"regions\""):
         torch_patches.require(patch.name)

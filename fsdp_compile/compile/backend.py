@@ -111,7 +111,7 @@ def _said_when_dynamo_falls_back(backend: str) -> Iterator[None]:
             f"fsdp_compile: {backend}: a fully_shard block's forward writes one of its buffers or inputs in place while "
             "training, which a block compiled once for all identical blocks (a nested compile region) cannot do under "
             "this torch's autograd (BatchNorm's running statistics are recognised and traced inline). Set "
-            "fsdp_compile.config.compile_blocks_once = False to trace every block inline, or compile each block on its "
+            "fsdp_compile.config.block_compile = \"inline\" to trace every block inline, or compile each block on its "
             "own (block.compile())."
         ) from error
 
@@ -342,8 +342,8 @@ def _compile_with_inductor(
         )
     if _has_nested_regions(gm):
         pinned["allow_buffer_reuse"] = (
-            False, "see [Note: Inductor's buffer reuse across nested regions] (fsdp_compile.config.compile_blocks_once = "
-            "False frees it)",
+            False, "see [Note: Inductor's buffer reuse across nested regions] (fsdp_compile.config.block_compile = "
+            "\"inline\" frees it)",
         )
     config_patches = {**_settings_from_torch_compile(mode, options, pinned), **{k: v for k, (v, _) in pinned.items()}}
     refuse_tensor_parallel_graphs(example_inputs)
@@ -417,7 +417,7 @@ def _settings_from_torch_compile(
 # by a factor of 5 to 40 under backend="inductor", exact under aot_eager or without buffer reuse.
 # Turning off Inductor's buffer reuse makes it exact. Dead buffers are still freed as soon as they
 # die, so the caching allocator reuses their memory: what is lost is allocation churn, not peak
-# memory. Only graphs holding nested regions (compile_blocks_once) get the patch. Other backends,
+# memory. Only graphs holding nested regions (block_compile "regions", or "frames" where a trace may not break) get the patch. Other backends,
 # torch.compile's own "inductor" among them, get no regions (traced_for_an_fsdp_backend).
 
 

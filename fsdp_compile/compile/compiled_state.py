@@ -94,7 +94,7 @@ class CompiledFSDPState(BlockFrameFSDPState, FSDPState):
         2.13's invoke_subgraph refuses it, and the compile failed); that block is traced inline.
         Only our backends compile regions correctly (``trace_context.traced_for_an_fsdp_backend``)."""
         return (
-            config.compile_blocks_once and not self.compiles_as_frame and self._is_block()
+            not config.block_compile_is("inline") and not self.compiles_as_frame and self._is_block()
             and torch._dynamo.config.assume_static_by_default and not (self.keeps_running_stats and self.modules[0].training)
             and traced_for_an_fsdp_backend()
         )
@@ -103,7 +103,7 @@ class CompiledFSDPState(BlockFrameFSDPState, FSDPState):
     def compiles_as_frame(self) -> bool:
         """Whether this block's forward is compiled as a Dynamo frame of its own, with its group's
         collectives in its graph and nothing in the trace that tells blocks apart
-        (``config.compile_blocks_as_frames``; see [Note: blocks compiled as frames] in frames.py)."""
+        (``config.block_compile = "frames"``; see [Note: blocks compiled as frames] in frames.py)."""
         return (
             blocks_as_frames_in_this_trace() and self._is_block() and traced_for_an_fsdp_backend()
             and not traced_in_a_callers_higher_order_op()
@@ -126,7 +126,7 @@ class CompiledFSDPState(BlockFrameFSDPState, FSDPState):
         aside in a compiled graph) takes ``unsharded_across_frames``, blocks compiled as frames: only
         during the compiled forward (``model.weight.grad`` read after it is the parameter's)."""
         return (
-            config.compile_blocks_as_frames and self._is_outside_blocks() and self.outermost().frames_forward_running
+            config.block_compile_is("frames") and self._is_outside_blocks() and self.outermost().frames_forward_running
             and self.runs_eagerly_inside_compiled_model()
         )
 
@@ -143,13 +143,13 @@ class CompiledFSDPState(BlockFrameFSDPState, FSDPState):
         groups outside blocks (``unsharded_across_frames``), gather and reduce instead."""
         root = self.outermost()
         return (
-            config.compile_blocks_as_frames and not config.skip_fsdp_hooks and self.training_state is TrainingState.IDLE
+            config.block_compile_is("frames") and not config.skip_fsdp_hooks and self.training_state is TrainingState.IDLE
             and (root.runs_compiled or inside_a_compiled_call()) and root.training_state is TrainingState.IDLE
             and torch._C._current_graph_task_id() == -1
         )
 
     def unsharded_across_frames(self, fsdp_param: "FSDPParam") -> torch.Tensor:
-        """``fsdp_param``'s unsharded parameter under ``compile_blocks_as_frames``: the group's first
+        """``fsdp_param``'s unsharded parameter under block frames: the group's first
         read in a forward traces the whole group's unshard (one all-gather, and in backward one
         reduce-scatter, as eagerly), and every later read takes what it gathered, in whichever graph
         it comes. The root's pre- and post-forward empty ``frame_handoff``; see [Note: blocks compiled
@@ -197,9 +197,12 @@ class CompiledFSDPState(BlockFrameFSDPState, FSDPState):
             group_name, token = self.frame_label, BLOCK_FRAME_TOKEN  # one graph for every such block
         else:
             group_name, token = group.label, self.trace_token
+        # Over one rank nothing is in flight to wait on late ([Note: no collective over one rank] in
+        # ops.py): the gradient is returned, not handed to the runtime one parameter at a time
+        # ([Note: the cost of entering a block frame] in frames.py).
         delivers_late = (
             self.compiles_as_frame and group.requires_gradient_sync and not hybrid and spec.wire_dtype is None
-            and not traced_under_compiled_autograd()
+            and spec.shard_size > 1 and not traced_under_compiled_autograd()
         )
         unsharded = []
         for fsdp_param in fsdp_params:

@@ -2,12 +2,14 @@
 frame boundaries (forward and backward prefetch) and how its reduce-scatters are handed over late
 (docs/design.md section 5.4).
 
-Per block (the block's state, ``BlockFrameFSDPState``): its two prefetch slots (``FramePrefetch``), the
-block after it and before it in the learned order, what the groups outside blocks gathered this
-forward. Per model (its root's ``RootFrames``): the learned order's ends, the blocks registered
-for the frame ops by their shards' addresses, their late gradient sinks, the reductions handed over
-in flight, and the blocks this forward entered (compared across ranks). The frame ops themselves
-(``ops.py``) find their model by the shards or sinks a graph gives them.
+Per block state (``BlockFrameFSDPState``, mixed into it): what runs eagerly as its frame is entered,
+what the groups outside blocks gathered this forward. Per model (its root's ``RootFrames``): each
+block's ``BlockFrame`` (its two prefetch slots, ``FramePrefetch``, and its neighbours in the learned
+order), the learned order's ends, the blocks registered for the frame ops by their shards' addresses,
+their late gradient sinks, the reductions handed over in flight, and the blocks this forward entered
+(compared across ranks). The frame ops themselves (``ops.py``) find their model by the shards or
+sinks a graph gives them, in O(1), through the one registry of the roots with frames
+(``_FrameRoots``, held weakly).
 """
 from __future__ import annotations
 
@@ -24,14 +26,14 @@ from fsdp_compile.compile.ops import FrameOpsRuntime, serve_frame_ops
 from fsdp_compile.compile.trace_context import note_block_frame_entered, traced_without_graph_breaks
 from fsdp_compile.runtime.collectives import pending_functional_reduce_scatter
 from fsdp_compile.runtime.param_group import TrainingState
-from fsdp_compile.runtime.state import FSDPState, live_states, state_of
+from fsdp_compile.runtime.state import FSDPState, state_of
 
 if TYPE_CHECKING:
     from fsdp_compile.runtime.param import FSDPParam
     from fsdp_compile.runtime.param_group import FSDPParamGroup
 
 __all__ = [
-    "FramePrefetch", "RootFrames", "BlockFrameFSDPState", "blocks_as_frames_in_this_trace", "land_late_reductions",
+    "FramePrefetch", "BlockFrame", "RootFrames", "BlockFrameFSDPState", "blocks_as_frames_in_this_trace", "land_late_reductions",
     "gradient_holder",
 ]
 
@@ -41,7 +43,7 @@ _functional = torch.ops._c10d_functional
 # A region still costs the whole-model trace something per block: Dynamo traces each block's parameter
 # reads and checks the reuse of its body, AOTAutograd partitions a joint graph holding every block's
 # collectives, Inductor lowers them; the 16-layer benchmark model compiled in 2.6x the time of PyTorch
-# FSDP2's per-block compile, growing 0.65 s per layer. With config.compile_blocks_as_frames, a block's
+# FSDP2's per-block compile, growing 0.65 s per layer. With config.block_compile = "frames" (the default), a block's
 # forward instead breaks the caller's graph (state.eager_enter_block_frame, a torch.compiler.disable'd
 # call) and the rest of it is a Dynamo frame of its own: its graph reads the block's shards,
 # all-gathers the group before the body (a graph node that takes the prefetch across frames:
@@ -99,7 +101,7 @@ _functional = torch.ops._c10d_functional
 # their own graph), the groups outside blocks. A prefetch is never read stale: one whose shards were
 # written since (the optimizer's step) is waited on and let go where the block's graph asks for its
 # all-gather; one no frame took (a block skipped on a step) is let go as the next forward's first frame
-# is entered (BlockFrameFSDPState.drop_frame_prefetch); a frame Dynamo runs eagerly hands it to its eager hooks
+# is entered (BlockFrame.drop_prefetch, from BlockFrameFSDPState._learn_frame_order); a frame Dynamo runs eagerly hands it to its eager hooks
 # ([Note: frames Dynamo runs eagerly] in module.py).
 #
 # [Note: backward prefetch across block frames]
@@ -145,14 +147,34 @@ _functional = torch.ops._c10d_functional
 # bucket whose reduced shard something else reads, and any graph another backend compiles (there
 # the first call delivers where the graph computed the gradient). Under compiled autograd, which
 # traces the whole backward into one graph of its own, no frame takes a sink: its reductions return
-# their gradients, as outside frames (trace_context.traced_under_compiled_autograd). ``.grad`` is complete
-# when ``backward()`` returns, as before.
+# their gradients, as outside frames (trace_context.traced_under_compiled_autograd). Nor over one rank
+# (a shard group of size 1), where nothing is in flight to wait on late ([Note: the cost of entering
+# a block frame]). ``.grad`` is complete when ``backward()`` returns, as before.
+#
+# [Note: the cost of entering a block frame]
+# Beyond its own ops, a block frame costs the host each step: the eager call that breaks the
+# caller's graph (enter_block_frame), Dynamo's cache lookup and guards for the caller's resume and
+# the block's frame, the graph's frame ops, and in backward the hand-over of its gradients. FSDP2's
+# per-block compile pays the lookup and guards of one frame and its eager hooks. What ours keeps small:
+# - A frame op finds its model in O(1): the one registry of the roots with frames (_FrameRoots) by
+#   the first shard's or sink's address, then the root's map to the block (BlockFrame), whose
+#   parameters' indices come from the addresses registered as its frame was entered. (It walked every
+#   live FSDP state per call, and rebuilt the group's address map per gather.)
+# - Entering a frame writes the registrations only where they changed since the last entry (a load or
+#   a ``.data`` swap moves shards; a group's late sinks never move), and decides once per group
+#   whether its shards identify it on every rank (a fact of the shapes).
+# - Over one rank a block's reductions are no collective ([Note: no collective over one rank] in
+#   ops.py), so nothing is in flight to hand over: its gradients are returned to autograd, as outside
+#   frames. Delivered to the runtime, each parameter's cost a custom-op call, an owner lookup and a
+#   copy-out of its own (nine per block of the benchmark model), most of a block's backward host time.
+# The cross-rank check of the blocks entered costs a set lookup per block once a sequence is agreed
+# ([Note: ranks entering different block frames] in graph_check.py).
 
 
 def blocks_as_frames_in_this_trace() -> bool:
-    """``config.compile_blocks_as_frames``, unless the trace may not break the graph (fullgraph=True),
+    """``config.block_compile`` is "frames", unless the trace may not break the graph (fullgraph=True),
     where blocks are regions as before ([Note: blocks compiled as frames])."""
-    return config.compile_blocks_as_frames and not traced_without_graph_breaks()
+    return config.block_compile_is("frames") and not traced_without_graph_breaks()
 
 
 class FramePrefetch:
@@ -225,29 +247,105 @@ def _issue_frame_all_gather(
         return _functional.all_gather_into_tensor(flat, shard_size, shard_group_name)
 
 
+class BlockFrame:
+    """What the root keeps for one block compiled as a frame: its forward and backward all-gathers
+    (``gathers``, by ``backward``: False, True), each with the one issued for it ahead, and its
+    neighbours in the learned order: ``next``, the block whose frame ran after it in the last forward
+    (the module tree's order at first), and ``previous``, the block entered just before it in the
+    last forward that entered it (its backward runs after this one's), None where it came first. See
+    [Note: prefetch across block frames]."""
+
+    def __init__(self, state: "FSDPState") -> None:
+        self.state = state
+        self.gathers = (FramePrefetch(), FramePrefetch())
+        self.next: BlockFrame | None = None
+        self.previous: BlockFrame | None = None
+        # What RootFrames registered for this block, so that a frame entry whose group and shards are
+        # those of the last one writes nothing ([Note: the cost of entering a block frame]): the group
+        # whose late sinks are registered, the group found identifiable (_gathers_identifiably_in_frames)
+        # and the group's shards' addresses as registered, each with its index in the group.
+        self.sinks_registered_for: FSDPParamGroup | None = None
+        self.identifiable_group: tuple[FSDPParamGroup, bool] | None = None
+        self.index_by_address: dict[int, int] = {}
+
+    def indices_of(self, shards: list[torch.Tensor]) -> "tuple[int, ...] | None":
+        """The indices in the block's group of the parameters whose shards ``shards`` are (every one
+        of them, by the addresses registered as its frame was entered), or None."""
+        index_by_address = self.index_by_address
+        indices = tuple(index_by_address.get(shard.data_ptr(), -1) for shard in shards)
+        return None if -1 in indices else indices
+
+    def gather_next_ahead(self, backward: bool) -> None:
+        """In this block's forward (backward) graph: issue the all-gather of the block whose forward
+        (backward) runs next, the block after it in the last forward (the one before it), as its graph
+        gathered last time. Backward: where its compiled frame ran forward with gradients on since its
+        backward last ran; forward: where its frame will take it (compiled as a frame, its hooks idle)."""
+        if backward:
+            previous = self.previous
+            if previous is not None and previous.gathers[True].pending:
+                previous.gathers[True].issue_ahead(previous.state.group)
+            return
+        following = self.next
+        if following is not None and following.state.takes_prefetched_frame_gathers():
+            following.gathers[False].issue_ahead(following.state.group)
+
+    def drop_prefetch(self) -> None:
+        """Eagerly: let go of the all-gathers issued ahead for this block that no frame will read."""
+        for gather in self.gathers:
+            gather.drop()
+
+
 class RootFrames:
-    """What the root of one model keeps for its blocks compiled as frames: the first and last block
-    entered (the learned order's ends), the blocks registered for the frame ops by their shards'
-    addresses and the groups' late gradient sinks by theirs (a block frame's graph, shared by every
-    block of its structure, names no block: [Note: prefetch across block frames]), the reductions a
-    backward graph handed over in flight, oldest first, with the backward (autograd graph task) whose
-    end lands them ([Note: late reduce-scatter wait across block frames]), and the blocks this
-    forward entered so far with their fingerprint ([Note: ranks entering different block frames] in
-    graph_check.py)."""
+    """What the root of one model keeps for its blocks compiled as frames: each block's ``BlockFrame``,
+    the first and last block entered (the learned order's ends), the blocks registered for the frame
+    ops by their shards' addresses and the groups' late gradient sinks by theirs (a block frame's
+    graph, shared by every block of its structure, names no block: [Note: prefetch across block
+    frames]), the reductions a backward graph handed over in flight, oldest first, with the backward
+    (autograd graph task) whose end lands them ([Note: late reduce-scatter wait across block frames]),
+    and the blocks this forward entered so far with their fingerprint ([Note: ranks entering different
+    block frames] in graph_check.py)."""
 
     def __init__(self) -> None:
-        self.first_block: FSDPState | None = None
-        self.last_block: FSDPState | None = None
-        self.blocks_by_shard: dict[int, weakref.ref[FSDPState]] = {}
+        self.blocks: dict[FSDPState, BlockFrame] = {}
+        self.first_block: BlockFrame | None = None
+        self.last_block: BlockFrame | None = None
+        self.blocks_by_shard: dict[int, BlockFrame] = {}
         self.owners_by_late_sink: dict[int, tuple[weakref.ref[FSDPParamGroup], int]] = {}
         self.handed_over: list[FSDPParamGroup] = []
         self.landed_at_end_of_backward: int | None = None
         self.entered: list[str] = []
         self.entered_fingerprint = ""
 
-    def register_late_sinks(self, group: "FSDPParamGroup") -> None:
+    def block(self, state: "FSDPState") -> BlockFrame:
+        """``state``'s ``BlockFrame``, made at its first use."""
+        frame = self.blocks.get(state)
+        if frame is None:
+            frame = self.blocks[state] = BlockFrame(state)
+        return frame
+
+    def register_shards(self, frame: BlockFrame, group: "FSDPParamGroup") -> None:
+        """``frame``'s graphs' all-gathers find it by its group's shards (``_frame_block_of``), as they
+        are now (a load or a ``.data`` swap may have moved them since the last entry)."""
+        addresses = [fsdp_param.local_shard().data_ptr() for fsdp_param in group.fsdp_params]
+        if len(addresses) == len(frame.index_by_address) and all(
+            frame.index_by_address.get(address) == index for index, address in enumerate(addresses)
+        ):
+            return
+        frame.index_by_address = {address: index for index, address in enumerate(addresses)}
+        for address in addresses:
+            self.blocks_by_shard[address] = frame
+            _FRAME_ROOTS.register(address, self)
+
+    def register_late_sinks(self, frame: BlockFrame, group: "FSDPParamGroup") -> None:
+        """The late gradient sinks of ``frame``'s group (made with its parameters, never replaced) find
+        their parameters (``owner_of_late_gradient_sink``)."""
+        if frame.sinks_registered_for is group:
+            return
         for index, fsdp_param in enumerate(group.fsdp_params):
-            self.owners_by_late_sink[fsdp_param.gradient_handover_sink.data_ptr()] = (weakref.ref(group), index)
+            address = fsdp_param.gradient_handover_sink.data_ptr()
+            self.owners_by_late_sink[address] = (weakref.ref(group), index)
+            _FRAME_ROOTS.register(address, self)
+        frame.sinks_registered_for = group
 
     def owner_of_late_sink(self, sink: torch.Tensor) -> "tuple[FSDPParamGroup, FSDPParam] | None":
         reference, index = self.owners_by_late_sink.get(sink.data_ptr(), (None, -1))
@@ -262,9 +360,41 @@ class RootFrames:
                 group.finish_reduction()
 
 
-def _roots() -> "list[FSDPState]":
-    """The roots of the live models whose blocks compile as frames."""
-    return [state for state in live_states() if state.outer is None and getattr(state, "root_frames", None) is not None]
+class _FrameRoots:
+    """The ``RootFrames`` of the live models whose blocks compile as frames, each found in O(1) by an
+    address its frames registered (a block's shard, a late gradient sink): a frame op's graph names no
+    block nor model, only tensors. Held weakly: a model that is dropped leaves it, its addresses with
+    it (a later model may reuse an address: the last registration holds it)."""
+
+    def __init__(self) -> None:
+        self._by_address: dict[int, weakref.ref[RootFrames]] = {}
+        self._roots: dict[weakref.ref[RootFrames], None] = {}  # in registration order
+        self._references: weakref.WeakKeyDictionary[RootFrames, weakref.ref[RootFrames]] = weakref.WeakKeyDictionary()
+
+    def register(self, address: int, frames: RootFrames) -> None:
+        reference = self._by_address.get(address)
+        if reference is not None and reference() is frames:
+            return
+        reference = self._references.get(frames)
+        if reference is None:
+            reference = self._references[frames] = weakref.ref(frames, self._forget)
+            self._roots[reference] = None
+        self._by_address[address] = reference
+
+    def of(self, address: int) -> RootFrames | None:
+        reference = self._by_address.get(address)
+        return reference() if reference is not None else None
+
+    def all(self) -> list[RootFrames]:
+        return [frames for frames in (reference() for reference in self._roots) if frames is not None]
+
+    def _forget(self, reference: weakref.ref[RootFrames]) -> None:
+        self._roots.pop(reference, None)
+        for address in [address for address, held in self._by_address.items() if held is reference]:
+            del self._by_address[address]
+
+
+_FRAME_ROOTS = _FrameRoots()
 
 
 def _gather_in_frame(
@@ -275,27 +405,27 @@ def _gather_in_frame(
     all-gather in flight (issued ahead by the block that ran before it, or issued now), after issuing
     that of the block that runs next (forward: the next block; backward: the block before it); see
     [Note: prefetch across block frames] in frames.py."""
-    state, indices = _frame_block_of(shards, backward)
+    block, indices = _frame_block_of(shards, backward)
     in_flight = None
-    if state is not None:
-        gather = state.frame_gathers[backward]
+    if block is not None:
+        gather = block.gathers[backward]
         gather.learned = (indices, list(padded_numels), param_dtype, shard_size, shard_group_name)
         gather.pending = False
         in_flight = gather.take(shards)
     if in_flight is None:
         in_flight = _issue_frame_all_gather(shards, padded_numels, param_dtype, shard_size, shard_group_name)
-    if state is not None:
-        state._gather_next_frame_ahead(backward)
+    if block is not None:
+        block.gather_next_ahead(backward)
     return in_flight
 
 
 def owner_of_late_gradient_sink(sink: torch.Tensor) -> "tuple[FSDPParamGroup, FSDPParam]":
     """The group and parameter whose ``gradient_handover_sink`` is ``sink`` (registered as the group's block
     frame was entered)."""
-    for root in _roots():
-        owner = root.root_frames.owner_of_late_sink(sink)
-        if owner is not None:
-            return owner
+    frames = _FRAME_ROOTS.of(sink.data_ptr())
+    owner = frames.owner_of_late_sink(sink) if frames is not None else None
+    if owner is not None:
+        return owner
     raise RuntimeError("fsdp_compile: a compiled backward handed over a gradient for a parameter no live fully_shard group owns")
 
 
@@ -303,10 +433,10 @@ def gradient_holder(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor whose ``.grad`` a compiled graph input's gradient ends in: the parameter a block
     frame's late gradient sink delivers to, else the input itself (a parameter, or a no-sync sink)."""
     if tensor.numel() == 1 and not isinstance(tensor, torch.nn.Parameter):
-        for root in _roots():
-            owner = root.root_frames.owner_of_late_sink(tensor)
-            if owner is not None and owner[1].gradient_handover_sink is tensor:
-                return owner[1].sharded_param
+        frames = _FRAME_ROOTS.of(tensor.data_ptr())
+        owner = frames.owner_of_late_sink(tensor) if frames is not None else None
+        if owner is not None and owner[1].gradient_handover_sink is tensor:
+            return owner[1].sharded_param
     return tensor
 
 
@@ -341,34 +471,22 @@ def _deliver_gradients_late(in_flight: torch.Tensor, reduce_input: torch.Tensor,
 
 def land_late_reductions() -> None:
     """Wait on every reduce-scatter handed over (every model's) and write its gradients, oldest first."""
-    for root in _roots():
-        root.root_frames.land_late_reductions()
+    for frames in _FRAME_ROOTS.all():
+        frames.land_late_reductions()
 
 
-def _frame_block_of(shards: list[torch.Tensor], backward: bool) -> "tuple[FSDPState | None, tuple[int, ...] | None]":
+def _frame_block_of(shards: list[torch.Tensor], backward: bool) -> "tuple[BlockFrame | None, tuple[int, ...] | None]":
     """The registered block whose parameters' shards ``shards`` are (every one of them), its frame
     entered for this direction's gather, with their indices in its group, or (None, None)."""
     if not shards:
         return None, None
-    state = None
-    for root in _roots():
-        reference = root.root_frames.blocks_by_shard.get(shards[0].data_ptr())
-        state = reference() if reference is not None else None
-        if state is not None:
-            break
-    if state is None or not state.frame_gathers[backward].pending:
+    address = shards[0].data_ptr()
+    frames = _FRAME_ROOTS.of(address)
+    block = frames.blocks_by_shard.get(address) if frames is not None else None
+    if block is None or not block.gathers[backward].pending:
         return None, None
-    indices = _indices_in_group(state, shards)
-    return (state, indices) if indices is not None else (None, None)
-
-
-def _indices_in_group(state: "FSDPState", shards: list[torch.Tensor]) -> "tuple[int, ...] | None":
-    group = state.group
-    if group is None:
-        return None
-    index_by_address = {p.local_shard().data_ptr(): i for i, p in enumerate(group.fsdp_params)}
-    indices = tuple(index_by_address.get(shard.data_ptr(), -1) for shard in shards)
-    return None if -1 in indices else indices
+    indices = block.indices_of(shards)
+    return (block, indices) if indices is not None else (None, None)
 
 
 serve_frame_ops(FrameOpsRuntime(_gather_in_frame, _deliver_gradient_now, _deliver_gradients_late))
@@ -385,58 +503,54 @@ class BlockFrameFSDPState:
         self.frame_label = f"{type(self.modules[0]).__name__} (block frame)"
         # The unsharded parameters of this forward's first read, by FQN (unsharded_across_frames).
         self.frame_handoff: dict[str, torch.Tensor] = {}
-        # [Note: prefetch across block frames]. The block whose frame runs after this one's (learned
-        # eagerly by enter_block_frame); previous_frame_block: the block entered just before this one in
-        # the last forward that entered it (its backward runs after this one's), or None where this one
-        # came first. This block's forward and backward all-gathers, by ``backward`` (False, True), each
-        # with the one issued for it ahead.
-        self.next_frame_block: FSDPState | None = None
-        self.previous_frame_block: FSDPState | None = None
-        self.frame_gathers = (FramePrefetch(), FramePrefetch())
         # On a root whose blocks compile as frames: between its (eager) pre- and post-forward.
         self.frames_forward_running = False
         # On a root: that its explicit prefetch lists do not place a block frame's all-gathers was said.
         self.told_of_frames_prefetch = False
-        # On a root: what its model's block frames share (read on the root only).
+        # On a root: what its model's block frames share, each block's prefetches and place in the
+        # learned order among them (read on the root only).
         self.root_frames = RootFrames()
 
     def _begin_frame_handoff(self) -> None:
-        """Root pre- and post-forward under ``compile_blocks_as_frames``, traced or run eagerly (a hook
+        """Root pre- and post-forward under block frames, traced or run eagerly (a hook
         Dynamo gave up on): each group gathers afresh in the next forward, and nothing holds this one's
         unsharded parameters past it. (A prefetch no frame took is let go eagerly: see _learn_frame_order.)"""
         for state in self.states_in_tree():
             if state._is_outside_blocks():
                 state.frame_handoff = {}
 
-    def _learn_frame_order(self) -> None:
-        """Eagerly, as this block's frame is entered: the block entered before it in this forward
-        prefetches this one from the next step on. The first forward takes the module tree's order
-        of blocks; a block entered when the first block is entered again ended the last forward."""
-        root = self.outermost()
-        previous = root.root_frames.last_block
-        if root.root_frames.first_block is None:
-            root.root_frames.first_block = self
-            blocks = [state for state in root.states_in_tree() if state._is_block()]
-            for block, following in zip(blocks, blocks[1:]):
-                block.next_frame_block = following
+    def _learn_frame_order(self, frames: RootFrames, block: BlockFrame) -> None:
+        """Eagerly, as this block's frame is entered (``block``, its root's ``frames``): the block
+        entered before it in this forward prefetches this one from the next step on. The first forward
+        takes the module tree's order of blocks; a block entered when the first block is entered again
+        ended the last forward."""
+        previous = frames.last_block
+        if frames.first_block is None:
+            frames.first_block = block
+            blocks = [frames.block(state) for state in self.outermost().states_in_tree() if state._is_block()]
+            for earlier, following in zip(blocks, blocks[1:]):
+                earlier.next = following
             if blocks:
-                blocks[-1].next_frame_block = None
-        elif self is root.root_frames.first_block:
-            if previous is not None and previous.next_frame_block is not None and previous is not self:
-                previous.next_frame_block = None  # it ended the last forward
-            for state in root.states_in_tree():
-                if state is not self:
-                    state.drop_frame_prefetch()  # a block the last forward prefetched and did not run
-        elif previous is not None and previous.next_frame_block is not self:
-            previous.next_frame_block = self
-        self.previous_frame_block = None if self is root.root_frames.first_block else previous
-        root.root_frames.last_block = self
+                blocks[-1].next = None
+        elif block is frames.first_block:
+            if previous is not None and previous.next is not None and previous is not block:
+                previous.next = None  # it ended the last forward
+            for other in frames.blocks.values():
+                if other is not block:
+                    other.drop_prefetch()  # a block the last forward prefetched and did not run
+        elif previous is not None and previous.next is not block:
+            previous.next = block
+        block.previous = None if block is frames.first_block else previous
+        frames.last_block = block
 
     def hand_frame_prefetch_to_eager_hooks(self) -> None:
         """Eagerly, where Dynamo runs this block's frame eagerly: the all-gather the block before it
         issued for it ahead is the one its eager hooks read, not one more; see [Note: frames Dynamo runs
         eagerly] in module.py. A stale one, or one the group cannot take, is let go."""
-        forward, backward = self.frame_gathers
+        block = self.outermost().root_frames.blocks.get(self)
+        if block is None:  # never entered as a frame nor prefetched: nothing pending, nothing in flight
+            return
+        forward, backward = block.gathers
         forward.pending = backward.pending = False  # the eager hooks gather, forward and backward
         group = self.group
         if forward.in_flight is not None and group is not None and forward.is_whole_group_of(group):
@@ -445,49 +559,31 @@ class BlockFrameFSDPState:
                 gathered = torch.ops._c10d_functional.wait_tensor(in_flight).view(group.reduce_spec.shard_size, -1)
                 if group.adopt_all_gather(gathered):
                     return
-        self.drop_frame_prefetch()
+        block.drop_prefetch()
 
-    def drop_frame_prefetch(self) -> None:
-        """Eagerly: let go of the all-gathers issued ahead for this block that no frame will read
-        ([Note: prefetch across block frames] in frames.py)."""
-        for gather in self.frame_gathers:
-            gather.drop()
-
-    def _gathers_identifiably_in_frames(self) -> bool:
+    def _gathers_identifiably_in_frames(self, block: BlockFrame) -> bool:
         """Whether ``gather_in_frame`` can tell this block by its shards' addresses on every rank: each
         parameter holds rows on every rank (a rank's empty shard has no address of its own), a fact of
-        the shapes alone, the same on all ranks."""
+        the shapes alone, the same on all ranks (so decided once per group)."""
         group = self.group
-        return group is not None and all(
-            p.layout.row_numel > 0 and p.layout.rows(p.layout.world_size - 1) > 0 for p in group.fsdp_params
-        )
+        if group is None:
+            return False
+        known = block.identifiable_group
+        if known is None or known[0] is not group:
+            identifiable = all(p.layout.row_numel > 0 and p.layout.rows(p.layout.world_size - 1) > 0 for p in group.fsdp_params)
+            known = block.identifiable_group = (group, identifiable)
+        return known[1]
 
-    def _register_for_frame_gathers(self) -> None:
+    def _register_for_frame_gathers(self, frames: RootFrames, block: BlockFrame) -> None:
         """Eagerly, as this block's compiled frame is entered: its graphs' all-gathers will find it by
         its shards (``gather_in_frame``), its backward's where the forward runs with gradients on."""
-        forward, backward = self.frame_gathers
+        forward, backward = block.gathers
         group = self.group
-        identifiable = group is not None and self._gathers_identifiably_in_frames()
+        identifiable = self._gathers_identifiably_in_frames(block)
         forward.pending = identifiable
         backward.pending = identifiable and torch.is_grad_enabled()
         if identifiable:
-            blocks_by_shard = self.outermost().root_frames.blocks_by_shard
-            for fsdp_param in group.fsdp_params:
-                blocks_by_shard[fsdp_param.local_shard().data_ptr()] = weakref.ref(self)
-
-    def _gather_next_frame_ahead(self, backward: bool) -> None:
-        """In this block's forward (backward) graph: issue the all-gather of the block whose forward
-        (backward) runs next, the block after it in the last forward (the one before it), as its graph
-        gathered last time. Backward: where its compiled frame ran forward with gradients on since its
-        backward last ran; forward: where its frame will take it (compiled as a frame, its hooks idle)."""
-        if backward:
-            previous = self.previous_frame_block
-            if previous is not None and previous.frame_gathers[True].pending:
-                previous.frame_gathers[True].issue_ahead(previous.group)
-            return
-        following = self.next_frame_block
-        if following is not None and following.takes_prefetched_frame_gathers():
-            following.frame_gathers[False].issue_ahead(following.group)
+            frames.register_shards(block, group)
 
     def takes_prefetched_frame_gathers(self) -> bool:
         """Whether this block's frame takes the all-gathers issued for it ahead ([Note: prefetch across
@@ -496,7 +592,7 @@ class BlockFrameFSDPState:
         parameters (those gather in their own frame's graph, unprefetched)."""
         group = self.group
         return (
-            config.compile_blocks_as_frames and self._is_block() and self.training_state is TrainingState.IDLE
+            config.block_compile_is("frames") and self._is_block() and self.training_state is TrainingState.IDLE
             and torch._C._current_graph_task_id() == -1 and group is not None
             and not group.comm_policy.quantizes_all_gather and not any(p.tensor_parallel is not None for p in group.fsdp_params)
         )
@@ -515,20 +611,22 @@ class BlockFrameFSDPState:
         if self.group is not None:
             for fsdp_param in self.group.fsdp_params:
                 fsdp_param.refresh_detached_sharded_param()
-        self._learn_frame_order()
+        frames = root.root_frames
+        block = frames.block(self)
+        self._learn_frame_order(frames, block)
         if self.group is not None:
-            root.root_frames.register_late_sinks(self.group)
+            frames.register_late_sinks(block, self.group)
         if self.takes_prefetched_frame_gathers():
-            self._register_for_frame_gathers()
+            self._register_for_frame_gathers(frames, block)
         if not root.told_of_frames_prefetch:
             root.told_of_frames_prefetch = True
             explicit = [s.label for s in root.states_in_tree() if s.forward_prefetch or s.backward_prefetch]
             if explicit:
                 warnings.warn(
                     f"fsdp_compile: set_modules_to_forward_prefetch / set_modules_to_backward_prefetch on {explicit} have "
-                    "no effect while fsdp_compile.config.compile_blocks_as_frames is on: each block's frame prefetches "
-                    "the block that ran after it in the last forward, whatever the lists say. Turn compile_blocks_as_frames "
-                    "off to have the whole-model graph place them, or compile per block (block.compile()), where the eager "
+                    "no effect while fsdp_compile.config.block_compile is \"frames\": each block's frame prefetches "
+                    "the block that ran after it in the last forward, whatever the lists say. Set block_compile = \"regions\" "
+                    "to have the whole-model graph place them, or compile per block (block.compile()), where the eager "
                     "hooks honour them.",
                     stacklevel=2,
                 )
@@ -538,7 +636,7 @@ class BlockFrameFSDPState:
         """Whether the root's hooks hand their work (staging the no-sync sums, the frames' handoff) to
         an eager call: blocks compiled as frames break the root's forward anyway, and Dynamo's trace of
         those walks over every group would cost compile time per block (and guards on each)."""
-        return config.compile_blocks_as_frames and (not compiling or blocks_as_frames_in_this_trace())
+        return config.block_compile_is("frames") and (not compiling or blocks_as_frames_in_this_trace())
 
     def _check_frames_entered_across_ranks(self, label: str) -> None:
         """On the root, eagerly, as its compiled forward enters the block ``label`` (or ends): see

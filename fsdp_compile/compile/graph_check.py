@@ -178,7 +178,7 @@ def block_frames_fingerprint(previous: str, label: str) -> str:
 
 
 # [Note: ranks entering different block frames]
-# With compile_blocks_as_frames every block frame is one graph shared by every identical block, so the
+# With block frames (config.block_compile = "frames") every block frame is one graph shared by every identical block, so the
 # graph check above cannot see ranks whose control flow enters different blocks (rank 0 runs a block
 # rank 1 skips): each compiles the same graph, or none at all, and their all-gathers, issued ahead for
 # the block that runs next, and reduce-scatters would then pair up wrongly or hang. What must match there is the

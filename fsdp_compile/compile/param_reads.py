@@ -125,7 +125,7 @@ def _param_property(name: str) -> property:
     def read(module: torch.nn.Module) -> torch.Tensor:
         fsdp_param, state = module.__dict__[_TRACED_PARAMS_ATTR][name]
         registered = module._parameters[name]
-        if (state.per_block_compiled or config.compile_blocks_as_frames) and state.training_state is not TrainingState.IDLE:
+        if (state.per_block_compiled or config.block_compile_is("frames")) and state.training_state is not TrainingState.IDLE:
             # FSDP2's recipe: the eager hooks around the block's graph registered the unsharded
             # parameter (so did hooks Dynamo ran eagerly around a frame of blocks compiled as frames).
             # IDLE: a compiled caller traced this block with its hooks standing aside (the whole model

@@ -99,7 +99,7 @@ def _has_symbolic_size(tensor: torch.Tensor) -> bool:
 #    (``DataDependentOutputException: aten._local_scalar_dense``): the backend failed and Dynamo ran
 #    the model's forward eagerly, every block with the eager hooks (the Transformer, from 3 blocks
 #    on; with 2 a body used once is inlined). So under ``dynamic=True`` a block is no region:
-#    it is traced inline, as with ``config.compile_blocks_once = False`` (correct, one graph,
+#    it is traced inline, as with ``config.block_compile = "inline"`` (correct, one graph,
 #    compiled per block).
 class _TraceOnItsOwn:
     """Passed to a block region: Dynamo does not reuse a traced body across calls taking one."""

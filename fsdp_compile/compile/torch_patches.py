@@ -324,14 +324,14 @@ TORCH_PATCHES: tuple[TorchPatch, ...] = (
         "recompile limit per block structure", (2, 11), (2, 13), _has("torch._dynamo.convert_frame", "_compile"),
         _recompile_limit_per_block_structure,
         "blocks compiled as frames (every block frame shares one code object, so Dynamo's recompile limit would count "
-        "every block structure together); set fsdp_compile.config.compile_blocks_as_frames = False",
+        "every block structure together); set fsdp_compile.config.block_compile = \"regions\"",
     ),
     TorchPatch(
         "graph break inside a block region", (2, 11), (2, 13),
         lambda: _has("torch._dynamo.variables.invoke_subgraph", "InvokeSubgraphHigherOrderVariable", "_ALLOW_FALLBACK_TO_EAGER")()
         and _has("torch._dynamo.variables.invoke_subgraph", "get_fn_code")(),
         lambda: _let_a_block_body_graph_break(tuple(_region_codes)),
-        "a block compiled once as a region whose body breaks the graph; set fsdp_compile.config.compile_blocks_once = False",
+        "a block compiled once as a region whose body breaks the graph; set fsdp_compile.config.block_compile = \"inline\"",
     ),
     TorchPatch(
         "device meshes keyed by identity in Inductor's cache", (2, 11), (2, 13),

@@ -115,7 +115,7 @@ def traced_for_an_fsdp_backend() -> bool:
     graphs holding them ([Note: Inductor's buffer reuse across nested regions] in backend.py); under
     torch.compile's own ``backend="inductor"`` a model of region calls got gradients off by 2 to 25
     times (a 2-block Transformer, silently). Under another backend every block is traced inline, as
-    with ``config.compile_blocks_once = False``, and the user is told once what that backend skips.
+    with ``config.block_compile = "inline"``, and the user is told once what that backend skips.
     Dynamo runs this at trace time and keeps the answer as a constant; its own guard on the backend
     recompiles for another backend.
     """
