@@ -35,7 +35,7 @@ from fsdp_compile.config import PassConfig
 from fsdp_compile.passes.graph import (
     ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BUCKET_KEY, COLLECTIVE_NAMES, COLLECTIVES, COPY_IN, COPY_OUT, FORCE_STRIDE, FSDP_ANNOTATION_KEY, GROUP_KEY,
     GRADIENT_REDUCTIONS, GROUPS_KEY, PARAM_KEY, PARAMS_KEY, REDUCE_SCATTER, RESHARD_AFTER_FORWARD_KEY, STATE_KEY, WAIT, collective_nodes,
-    erase_unused_chain, fsdp_annotation, give_up, new_node, node_value, single_wait,
+    erase_unused_chain, fsdp_annotation, give_up, is_cast, new_node, node_value, one_wait_per_collective, single_wait,
 )
 
 __all__ = ["bucket_collectives", "unpadded_shard"]
@@ -223,7 +223,7 @@ def unpadded_shard(sent: fx.Node, padded_numel: int) -> fx.Node | None:
     has already dropped a pad of no rows and a cast to the same dtype), a contiguous floating-point
     tensor. None for any other input (a quantized payload, a dim-1 shard's strided view)."""
     node = sent
-    if node.target in (torch.ops.prims.convert_element_type.default, _aten._to_copy.default):
+    if is_cast(node):
         node = node.args[0]
     if node.target is _aten.detach.default:  # a read without gradient sync gathers its padded shard detached
         node = node.args[0]
@@ -392,7 +392,7 @@ def bucket_collectives(gm: fx.GraphModule, config: PassConfig) -> fx.GraphModule
     if not config.bucket:
         return gm
     graph = gm.graph
-    changed = False
+    changed = one_wait_per_collective(graph) > 0  # [Note: one wait per collective] in graph.py
     for bucket in _collect(graph, ALL_GATHER, config):
         changed |= _bucket_all_gather(graph, bucket, config)
     for target in GRADIENT_REDUCTIONS:

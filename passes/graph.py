@@ -1,6 +1,6 @@
 """The graph vocabulary every pass shares: what an FSDP collective is, how its annotation reads,
-which graph a pass is looking at, which ops are views or copies, how many bytes a collective keeps
-allocated, and how a pass says it gave up.
+which graph a pass is looking at, which ops are views, copies or casts (by meaning, as torch 2.13
+and 2.14 spell them), how many bytes a collective keeps allocated, and how a pass says it gave up.
 
 recompute, bucket, reorder, dump and ``benchmarks/cost_model.py`` import these from here, so a
 collective's bytes in the dump timeline are the bytes the in-flight budget counts and the bytes
@@ -32,7 +32,7 @@ __all__ = [
     "FSDP_ANNOTATION_KEY", "GROUP_KEY", "PARAM_KEY", "RESHARD_AFTER_FORWARD_KEY", "STATE_KEY", "BUCKET_KEY", "GROUPS_KEY", "PARAMS_KEY",
     "BLOCK_FRAME_TOKEN",
     "ALL_GATHER", "REDUCE_SCATTER", "ALL_REDUCE", "WAIT", "COLLECTIVES", "GRADIENT_REDUCTIONS", "COLLECTIVE_NAMES", "FORCE_STRIDE", "COPY_IN", "COPY_OUT",
-    "collective_nodes", "single_wait", "new_node", "node_value", "erase_unused_chain", "FRAME_GATHER", "DELIVER_GRADIENT", "DELIVER_REDUCE_SCATTER_LATE", "fsdp_annotation", "is_tangent", "graph_kind", "is_view", "is_copy",
+    "collective_nodes", "single_wait", "one_wait_per_collective", "is_cast", "new_node", "node_value", "erase_unused_chain", "FRAME_GATHER", "DELIVER_GRADIENT", "DELIVER_REDUCE_SCATTER_LATE", "fsdp_annotation", "is_tangent", "graph_kind", "is_view", "is_copy",
     "tensor_bytes", "collective_bytes", "inflight_collectives", "inflight_bytes", "max_inflight_bytes",
     "pass_counters", "give_up",
 ]
@@ -92,6 +92,32 @@ def single_wait(collective: fx.Node) -> fx.Node | None:
     return None
 
 
+# [Note: one wait per collective]
+# A collective read twice (a tied parameter: the embedding and the output projection read one
+# all-gather) is waited on once in torch 2.13's graphs, whose CSE merged the two reads' waits; torch
+# 2.14 marks ``wait_tensor`` side-effecting, so its CSE keeps both and the collective has two waits
+# (each with its own copy of the slice after it). Waiting twice on one collective yields the same
+# tensor, so the passes first read every later wait as the first one; the graph then holds the
+# shape they rewrite (one collective, one wait) on either torch.
+def one_wait_per_collective(graph: fx.Graph) -> int:
+    """Make every collective whose readers are all ``wait_tensor`` read through its first wait (the
+    later waits' readers read it; the later waits go); returns how many waits went."""
+    merged = 0
+    position: dict[fx.Node, int] | None = None
+    for target in COLLECTIVES:
+        for collective in collective_nodes(graph, target):
+            waits = list(collective.users)
+            if len(waits) < 2 or any(wait.target is not WAIT for wait in waits):
+                continue
+            position = position or {node: i for i, node in enumerate(graph.nodes)}
+            first, *later = sorted(waits, key=position.__getitem__)
+            for wait in later:
+                wait.replace_all_uses_with(first)
+                graph.erase_node(wait)
+                merged += 1
+    return merged
+
+
 def node_value(node: Any) -> Any:
     """A node's fake value (``meta["val"]``), or a constant argument as it is."""
     return node.meta.get("val") if isinstance(node, fx.Node) else node
@@ -136,6 +162,8 @@ def graph_kind(gm: fx.GraphModule) -> str:
     return "backward" if collective_nodes(graph, REDUCE_SCATTER) else "forward"
 
 
+# What an ``aten._to_copy`` that only casts may name (is_cast checks they keep the input's).
+_CAST_KWARGS = {"dtype", "device", "layout", "memory_format"}
 # Reshapes that allocate nothing, though the op schema does not mark them as aliasing.
 _ALSO_VIEWS = {_aten._unsafe_view.default}
 # Ops that only move, pad or re-type data (a bucket's copy-in and copy-out), computing nothing.
@@ -143,6 +171,26 @@ _COPIES = {
     _aten.cat.default, _aten.clone.default, _aten._to_copy.default, _aten.constant_pad_nd.default,
     _aten.slice_backward.default, torch.ops.prims.convert_element_type.default, FORCE_STRIDE, COPY_IN, COPY_OUT,
 }
+
+
+def is_cast(node: fx.Node) -> bool:
+    """A change of dtype alone: ``prims.convert_element_type`` (what ``tensor.to(dtype)`` traces to
+    under torch 2.13) or an ``aten._to_copy`` that keeps its input's device, layout and memory format
+    (torch 2.14's spelling of the same cast)."""
+    if node.op != "call_function":
+        return False
+    if node.target is torch.ops.prims.convert_element_type.default:
+        return True
+    if node.target is not _aten._to_copy.default or len(node.args) != 1 or not set(node.kwargs) <= _CAST_KWARGS:
+        return False
+    source = node_value(node.args[0])
+    kwargs = node.kwargs
+    return (
+        isinstance(source, torch.Tensor)
+        and kwargs.get("device", source.device) == source.device
+        and kwargs.get("layout", source.layout) == source.layout
+        and kwargs.get("memory_format") in (None, torch.preserve_format)
+    )
 
 
 def is_view(node: fx.Node) -> bool:

@@ -26,7 +26,8 @@ from torch.utils.checkpoint import CheckpointPolicy
 from fsdp_compile.passes.graph import (
     ALL_GATHER, BLOCK_FRAME_TOKEN, COPY_IN, DELIVER_GRADIENT, DELIVER_REDUCE_SCATTER_LATE, FRAME_GATHER,
     REDUCE_SCATTER, RESHARD_AFTER_FORWARD_KEY, STATE_KEY,
-    erase_unused_chain, fsdp_annotation, give_up, is_tangent, is_view, new_node, node_value, single_wait,
+    erase_unused_chain, fsdp_annotation, give_up, is_cast, is_tangent, is_view, new_node, node_value, one_wait_per_collective,
+    single_wait,
 )
 
 __all__ = [
@@ -148,11 +149,11 @@ def gather_frames_through_prefetch(graph: fx.Graph, backward: bool) -> int:
 
 
 # What may lie between a block frame's reduce-scatter wait and a parameter's delivered gradient: its
-# columns of the bucket (a dim-0 slice), its shape, the gradient's divide and cast, all of which the
+# columns of the bucket (a dim-0 slice), its shape, the gradient's divide and cast (``is_cast``), all of which the
 # runtime's copy-out does again ([Note: late reduce-scatter wait across block frames] in frames.py).
 _DELIVERY_STEPS = (
     torch.ops.aten.slice.Tensor, torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
-    torch.ops.aten.div.Tensor, torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default,
+    torch.ops.aten.div.Tensor,
 )
 
 
@@ -179,7 +180,7 @@ def _delivery_chain(wait: fx.Node) -> tuple[list[tuple[int, int, fx.Node]], list
                 start, end = user.args[2], min(user.args[3], total)
                 frontier.append((user, start, end - start))
                 continue
-            plain = plain and user.target in _DELIVERY_STEPS and user.target is not torch.ops.aten.slice.Tensor
+            plain = plain and (user.target in _DELIVERY_STEPS or is_cast(user)) and user.target is not torch.ops.aten.slice.Tensor
             frontier.append((user, offset, numel))
     members.sort(key=lambda member: member[0])
     covered = 0
@@ -200,6 +201,7 @@ def deliver_frame_reductions_late(graph: fx.Graph) -> int:
 
     Returns how many were rewritten."""
     output = next(iter(graph.find_nodes(op="output")))
+    one_wait_per_collective(graph)  # [Note: one wait per collective] in graph.py
     rewritten = 0
     for reduce_scatter in list(graph.find_nodes(op="call_function", target=REDUCE_SCATTER)):
         annotation = fsdp_annotation(reduce_scatter)

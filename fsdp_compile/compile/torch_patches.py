@@ -289,7 +289,7 @@ def _let_a_block_body_graph_break(region_codes: tuple[Any, ...]) -> None:
 
 # [Note: a block whose body graph-breaks]
 # Dynamo refuses a graph break inside a nested compile region outright (UncapturedHigherOrderOpError:
-# torch 2.13 gives invoke_subgraph no fallback), so a block whose forward breaks (a print, a
+# torch 2.13 and 2.14 give invoke_subgraph no fallback), so a block whose forward breaks (a print, a
 # data-dependent .item() branch, an unsupported call) would crash a whole-model compile that traces
 # the same block inline without trouble. For our block region alone, Dynamo is let to do what it does
 # for a break anywhere else: break the graph at the region's call, run that call eagerly and compile
@@ -321,39 +321,39 @@ _region_codes: tuple[Any, ...] = ()
 
 TORCH_PATCHES: tuple[TorchPatch, ...] = (
     TorchPatch(
-        "recompile limit per block structure", (2, 11), (2, 13), _has("torch._dynamo.convert_frame", "_compile"),
+        "recompile limit per block structure", (2, 11), (2, 14), _has("torch._dynamo.convert_frame", "_compile"),
         _recompile_limit_per_block_structure,
         "blocks compiled as frames (every block frame shares one code object, so Dynamo's recompile limit would count "
         "every block structure together); set fsdp_compile.config.block_compile = \"regions\"",
     ),
     TorchPatch(
-        "graph break inside a block region", (2, 11), (2, 13),
+        "graph break inside a block region", (2, 11), (2, 14),
         lambda: _has("torch._dynamo.variables.invoke_subgraph", "InvokeSubgraphHigherOrderVariable", "_ALLOW_FALLBACK_TO_EAGER")()
         and _has("torch._dynamo.variables.invoke_subgraph", "get_fn_code")(),
         lambda: _let_a_block_body_graph_break(tuple(_region_codes)),
         "a block compiled once as a region whose body breaks the graph; set fsdp_compile.config.block_compile = \"inline\"",
     ),
     TorchPatch(
-        "device meshes keyed by identity in Inductor's cache", (2, 11), (2, 13),
+        "device meshes keyed by identity in Inductor's cache", (2, 11), (2, 14),
         lambda: _has("torch._inductor.codecache", "FxGraphCachePickler", "_reduce_fake_script_object")()
         and _has("torch._inductor.codecache", "_ident")(),
         _key_device_meshes_by_identity,
         "warm starts across processes (without it every process compiles again; nothing is refused)",
     ),
     TorchPatch(
-        "region body schema once per compile", (2, 11), (2, 13),
+        "region body schema once per compile", (2, 11), (2, 14),
         _has("torch._higher_order_ops.invoke_subgraph", "InvokeSubgraphHOP", "gen_schema"), _keep_region_schemas,
         "a fast cold compile of block regions (without it each region call traces its body again; nothing is refused)",
     ),
     TorchPatch(
-        "traced all-gather in Inductor's decompositions", (2, 11), (2, 13), _has("torch._inductor.decomposition", "decompositions"),
+        "traced all-gather in Inductor's decompositions", (2, 11), (2, 14), _has("torch._inductor.decomposition", "decompositions"),
         _add_traced_op_to_inductors_decompositions,
         "fsdp_inductor (its passes read the traced all-gather as a functional collective); use backend='fsdp_aot_eager' "
         "or the eager runtime",
         at_import=False,  # at fsdp_inductor's first compile: until then torch's own inductor keeps the op whole
     ),
     TorchPatch(
-        "state-dict names of torch.compile(model)", (2, 11), (2, 13), _has("torch._dynamo.eval_frame", "OptimizedModule", "__init__"),
+        "state-dict names of torch.compile(model)", (2, 11), (2, 14), _has("torch._dynamo.eval_frame", "OptimizedModule", "__init__"),
         _state_dict_names_of_compiled_models,
         "the original state-dict names of torch.compile(model) (without it its keys carry torch's '_orig_mod.' prefix); "
         "call model.compile() in place instead, which keeps the names",
