@@ -10,13 +10,11 @@ from benchmarks.cost_model import (
     Compute, Issue, Wait, schedule_from_graph, simulate, simulate_step, trace_graphs,
 )
 from fsdp_compile.config import PassConfig
-from fsdp_compile.models import Transformer, TransformerConfig
-from fsdp_compile.passes import apply_post_grad_passes
+from fsdp_compile.models import Transformer
 from fsdp_compile.passes.graph import COLLECTIVES, WAIT
-from test_passes_bucket import _copy
+from test_passes_bucket import CONFIG, _traced
 
-CONFIG = TransformerConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=16)
-BATCH, SEQ = 2, 8
+BATCH, SEQ = 2, 8  # the tokens of test_passes_bucket.py's traces, whose CONFIG this is
 NO_PASSES = PassConfig(bucket=False, reorder=False)
 BUCKET = PassConfig(bucket=True, reorder=False)
 
@@ -85,24 +83,41 @@ def test_wait_before_its_issue_is_rejected():
 
 # --- schedules of traced graphs ------------------------------------------------------------------
 
-_traced: dict[tuple[int, PassConfig], tuple] = {}
+
+def _graphs(passes: PassConfig):
+    """(forward, backward) of the tiny model at the fake process group's world size, with ``passes``:
+    test_passes_bucket.py's traces, which its tests and test_compile_graphs.py's share (see [Note:
+    traced once, passes on copies] there); trace_graphs yields the same graphs
+    (test_trace_graphs_of_fake_tensors_are_the_graphs_of_a_real_trace)."""
+    _, forward, backward = _traced(passes)
+    return forward, backward
 
 
-def _graphs(world: int, passes: PassConfig):
-    """(forward, backward) of the tiny model, traced once per world without passes; other ``passes``
-    run on copies of those graphs, as fsdp_aot_eager runs them on its graphs (see [Note: traced once,
-    passes on copies] in test_passes_bucket.py)."""
-    if (world, passes) not in _traced:
-        if passes == NO_PASSES:
-            _traced[world, passes] = trace_graphs(CONFIG, passes, batch=BATCH, seq=SEQ)
-        else:
-            _traced[world, passes] = tuple(apply_post_grad_passes(_copy(gm), passes) for gm in _graphs(world, NO_PASSES))
-    return _traced[world, passes]
+def _nodes(gm) -> list[tuple]:
+    """Each node's op, target and value's shape and dtype: the graph without its names and values."""
+    described = []
+    for node in gm.graph.nodes:
+        values = node.meta.get("val")
+        values = values if isinstance(values, (list, tuple)) else [values]
+        layout = [(tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else type(v).__name__ for v in values]
+        described.append((node.op, str(node.target) if node.op == "call_function" else "", layout))
+    return described
+
+
+# A trace of its own, at one world size: 64, where most of the tiny model's shards are padded.
+@pytest.mark.parametrize("fake_world", [64], indirect=True)
+def test_trace_graphs_of_fake_tensors_are_the_graphs_of_a_real_trace(fake_world):
+    # trace_graphs builds the model under FakeTensorMode (an 8B model traces on a laptop): node for
+    # node the graphs of the same model traced with real parameters, whose schedules the tests below read.
+    traced = trace_graphs(CONFIG, NO_PASSES, batch=BATCH, seq=SEQ, param_dtype=torch.float32)
+    for fake, real in zip(traced, _graphs(NO_PASSES), strict=True):
+        assert sum(t in COLLECTIVES for t in (n.target for n in fake.graph.nodes)) > 0
+        assert _nodes(fake) == _nodes(real)
 
 
 @pytest.mark.parametrize("passes", [NO_PASSES, BUCKET], ids=["no-passes", "bucket"])
 def test_schedule_has_one_issue_per_collective_and_one_wait_per_wait_node(fake_world, passes):
-    for gm in _graphs(fake_world, passes):
+    for gm in _graphs(passes):
         events = schedule_from_graph(gm)
         targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
         collectives = sum(t in COLLECTIVES for t in targets)
@@ -114,7 +129,7 @@ def test_schedule_has_one_issue_per_collective_and_one_wait_per_wait_node(fake_w
 
 
 def test_forward_flops_equal_flop_counter_plus_causal_attention(fake_world):
-    forward, _ = _graphs(fake_world, NO_PASSES)
+    forward, _ = _graphs(NO_PASSES)
     modelled = sum(e.flops for e in schedule_from_graph(forward) if isinstance(e, Compute))
 
     # Reference: FlopCounterMode on the plain (unsharded, eager) model's forward for matmuls...
@@ -129,8 +144,8 @@ def test_forward_flops_equal_flop_counter_plus_causal_attention(fake_world):
 
 
 def test_bucketing_exposes_less_communication_than_per_parameter_collectives(fake_world):
-    per_param = simulate_step([schedule_from_graph(g) for g in _graphs(fake_world, NO_PASSES)], fake_world)
-    bucketed = simulate_step([schedule_from_graph(g) for g in _graphs(fake_world, BUCKET)], fake_world)
+    per_param = simulate_step([schedule_from_graph(g) for g in _graphs(NO_PASSES)], fake_world)
+    bucketed = simulate_step([schedule_from_graph(g) for g in _graphs(BUCKET)], fake_world)
     assert 0 < bucketed.exposed_s < per_param.exposed_s
     for result in (per_param, bucketed):
         assert result.step_s == pytest.approx(result.compute_s + result.exposed_s, rel=1e-9)

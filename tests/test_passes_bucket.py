@@ -54,11 +54,11 @@ def _trace(passes: PassConfig, mp_policy=None, mesh=None, reshard_root=None):
 # the graph tests trace the model once per setup (world size, mesh, mixed precision, root's
 # reshard_after_forward) with the passes off, and run apply_post_grad_passes -- what fsdp_aot_eager
 # runs on each partitioned graph -- on copies of those graphs: the same graphs a trace with the
-# passes on yields (the determinism tests here and in test_passes_reorder.py compare the two).
-# The result of each setup and PassConfig is kept too, with what the passes added to the give-up
-# counters, added again on each later call as a trace would; so the graphs are shared between
-# tests: read them, never rewrite them. With FSDP_COMPILE_DUMP set the passes run on every call
-# (and dump, as the backend would).
+# passes on yields (the determinism tests here and in test_passes_reorder.py compare the two). The
+# result of each setup and PassConfig is kept too, with what the passes added to the give-up
+# counters, added again on each later call as a trace would; so the graphs are shared between tests
+# (test_compile_graphs.py's and test_cost_model.py's too): read them, never rewrite them. With
+# FSDP_COMPILE_DUMP set the passes run on every call (and dump, as the backend would).
 _untouched: dict[tuple, tuple] = {}
 _passed: dict[tuple, tuple[tuple, Counter]] = {}
 
