@@ -18,8 +18,21 @@ import torch
 __all__ = ["map_tensors", "tensors_in"]
 
 
+# Leaves met in every forward's arguments (flags, sizes, None): told apart from containers at once,
+# without the Mapping and dataclass checks below.
+_SCALAR_TYPES = (type(None), bool, int, float, str, torch.dtype, torch.device)
+
+
 def _children(tree: Any) -> list[Any] | None:
-    """The items of a container we walk into, or ``None`` for a leaf."""
+    """The items of a container we walk into, or ``None`` for a leaf (``tree`` is not a tensor).
+    The exact types the hooks meet in every forward are told first."""
+    if isinstance(tree, _SCALAR_TYPES):
+        return None
+    kind = type(tree)
+    if kind is tuple or kind is list:
+        return list(tree)
+    if kind is dict:
+        return list(tree.values())
     if isinstance(tree, (tuple, list)):
         return list(tree)
     if isinstance(tree, Mapping):
@@ -50,11 +63,6 @@ def _rebuild(tree: Any, children: list[Any]) -> Any:
     return rebuilt
 
 
-# Leaves met in every forward's arguments (flags, sizes, None): told apart from containers at once,
-# without the Mapping and dataclass checks of ``_children``.
-_SCALAR_TYPES = (type(None), bool, int, float, str, torch.dtype, torch.device)
-
-
 def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> Any:
     """``tree`` with every tensor ``t`` replaced by ``fn(t)``; containers are rebuilt, not mutated.
 
@@ -76,17 +84,9 @@ def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> tuple
     if isinstance(tree, torch.Tensor):
         mapped = fn(tree)
         return mapped, mapped is not tree
-    if isinstance(tree, _SCALAR_TYPES):
+    children = _children(tree)
+    if children is None:
         return tree, False
-    kind = type(tree)
-    if kind is tuple or kind is list:
-        children = list(tree)
-    elif kind is dict:
-        children = list(tree.values())
-    else:
-        children = _children(tree)
-        if children is None:
-            return tree, False
     pairs = [_map_tensors(fn, child) for child in children]
     if not any(changed for _, changed in pairs):
         return tree, False
@@ -104,9 +104,5 @@ def _collect_tensors(tree: Any, found: list[torch.Tensor]) -> None:
     if isinstance(tree, torch.Tensor):
         found.append(tree)
         return
-    if isinstance(tree, _SCALAR_TYPES):
-        return
-    kind = type(tree)
-    children = tree if kind is tuple or kind is list else tree.values() if kind is dict else _children(tree)
-    for child in children or ():
+    for child in _children(tree) or ():
         _collect_tensors(child, found)
