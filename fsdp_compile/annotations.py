@@ -14,7 +14,7 @@ Example::
 from __future__ import annotations
 
 __all__ = [
-    "FSDP_ANNOTATION_KEY", "GROUP_KEY", "PARAM_KEY", "RESHARD_AFTER_FORWARD_KEY", "STATE_KEY",
+    "FSDP_ANNOTATION_KEY", "GROUP_KEY", "PARAM_KEY", "RESHARD_AFTER_FORWARD_KEY", "STATE_KEY", "KEEPS_GATHERED_KEY",
     "BUCKET_KEY", "GROUPS_KEY", "PARAMS_KEY", "BLOCK_FRAME_TOKEN", "fsdp_annotation",
 ]
 
@@ -28,6 +28,10 @@ STATE_KEY = "fsdp_state"
 # STATE_KEY of every block compiled as a frame: one graph serves them all, so none is named in it
 # ([Note: blocks compiled as frames] in frames.py).
 BLOCK_FRAME_TOKEN = -1
+# Present (True) on the reads of a group outside blocks compiled as frames whose all-gather goes through
+# the runtime, which may serve it from, or keep, the parameters gathered across a backward
+# (set_reshard_after_backward(False): [Note: keeping parameters gathered across a backward] in kept_gathers.py).
+KEEPS_GATHERED_KEY = "fsdp_keeps_gathered"
 
 # Per bucket (passes/bucket.py), beside the keys above.
 BUCKET_KEY = "fsdp_bucket"  # "all_gather" | "reduce_scatter": present once a node is bucketed

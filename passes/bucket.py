@@ -34,7 +34,7 @@ import torch.fx as fx
 from fsdp_compile.config import PassConfig
 from fsdp_compile.passes.graph import (
     ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BUCKET_KEY, COLLECTIVE_NAMES, COLLECTIVES, COPY_IN, COPY_OUT, FORCE_STRIDE, FSDP_ANNOTATION_KEY, GROUP_KEY,
-    GRADIENT_REDUCTIONS, GROUPS_KEY, PARAM_KEY, PARAMS_KEY, REDUCE_SCATTER, RESHARD_AFTER_FORWARD_KEY, STATE_KEY, WAIT, collective_nodes,
+    GRADIENT_REDUCTIONS, GROUPS_KEY, KEEPS_GATHERED_KEY, PARAM_KEY, PARAMS_KEY, REDUCE_SCATTER, RESHARD_AFTER_FORWARD_KEY, STATE_KEY, WAIT, collective_nodes,
     erase_unused_chain, fsdp_annotation, give_up, is_cast, new_node, node_value, one_wait_per_collective, single_wait,
 )
 
@@ -75,7 +75,8 @@ class _Bucket:
 def _bucket_annotation(bucket: _Bucket, kind: str) -> dict:
     annotations = [fsdp_annotation(m.collective) or {} for m in bucket.members]
     states = {annotation.get(STATE_KEY) for annotation in annotations}
-    return {
+    one_group = len(states) == 1
+    bucket_annotation = {
         FSDP_ANNOTATION_KEY: True,
         GROUP_KEY: "+".join(bucket.groups),
         GROUPS_KEY: tuple(bucket.groups),
@@ -83,8 +84,11 @@ def _bucket_annotation(bucket: _Bucket, kind: str) -> dict:
         PARAMS_KEY: tuple(str(annotation.get(PARAM_KEY)) for annotation in annotations),
         RESHARD_AFTER_FORWARD_KEY: annotations[0].get(RESHARD_AFTER_FORWARD_KEY),
         # The group's trace token where every member has the one (merged groups have none).
-        STATE_KEY: states.pop() if len(states) == 1 else None,
+        STATE_KEY: states.pop() if one_group else None,
     }
+    if one_group and all(annotation.get(KEEPS_GATHERED_KEY) for annotation in annotations):
+        bucket_annotation[KEEPS_GATHERED_KEY] = True  # one group's, which the runtime keeps gathered (frames.py)
+    return bucket_annotation
 
 
 def _shape(node: fx.Node) -> tuple[int, ...]:

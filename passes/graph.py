@@ -23,14 +23,14 @@ import torch.fx as fx
 import fsdp_compile.kernels  # noqa: F401 - registers torch.ops.fsdp_compile's copy ops (COPY_IN, COPY_OUT)
 import fsdp_compile.compile.ops  # noqa: F401 - registers torch.ops.fsdp_compile's traced and frame ops (FRAME_GATHER, DELIVER_GRADIENT)
 from fsdp_compile.annotations import (
-    BLOCK_FRAME_TOKEN, BUCKET_KEY, FSDP_ANNOTATION_KEY, GROUP_KEY, GROUPS_KEY, PARAM_KEY, PARAMS_KEY, RESHARD_AFTER_FORWARD_KEY, STATE_KEY,
-    fsdp_annotation,
+    BLOCK_FRAME_TOKEN, BUCKET_KEY, FSDP_ANNOTATION_KEY, GROUP_KEY, GROUPS_KEY, KEEPS_GATHERED_KEY, PARAM_KEY, PARAMS_KEY,
+    RESHARD_AFTER_FORWARD_KEY, STATE_KEY, fsdp_annotation,
 )
 
 __all__ = [
     "ALL_TO_ALL",
     "FSDP_ANNOTATION_KEY", "GROUP_KEY", "PARAM_KEY", "RESHARD_AFTER_FORWARD_KEY", "STATE_KEY", "BUCKET_KEY", "GROUPS_KEY", "PARAMS_KEY",
-    "BLOCK_FRAME_TOKEN",
+    "BLOCK_FRAME_TOKEN", "KEEPS_GATHERED_KEY",
     "ALL_GATHER", "REDUCE_SCATTER", "ALL_REDUCE", "WAIT", "COLLECTIVES", "GRADIENT_REDUCTIONS", "COLLECTIVE_NAMES", "FORCE_STRIDE", "COPY_IN", "COPY_OUT",
     "collective_nodes", "single_wait", "one_wait_per_collective", "is_cast", "new_node", "node_value", "erase_unused_chain", "FRAME_GATHER", "DELIVER_GRADIENT", "DELIVER_REDUCE_SCATTER_LATE", "fsdp_annotation", "is_tangent", "graph_kind", "is_view", "is_copy",
     "tensor_bytes", "collective_bytes", "inflight_collectives", "inflight_bytes", "max_inflight_bytes",

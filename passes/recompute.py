@@ -24,7 +24,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from fsdp_compile.passes.graph import (
-    ALL_GATHER, BLOCK_FRAME_TOKEN, COPY_IN, DELIVER_GRADIENT, DELIVER_REDUCE_SCATTER_LATE, FRAME_GATHER,
+    ALL_GATHER, BLOCK_FRAME_TOKEN, COPY_IN, DELIVER_GRADIENT, DELIVER_REDUCE_SCATTER_LATE, FRAME_GATHER, KEEPS_GATHERED_KEY,
     REDUCE_SCATTER, RESHARD_AFTER_FORWARD_KEY, STATE_KEY,
     erase_unused_chain, fsdp_annotation, give_up, is_cast, is_tangent, is_view, new_node, node_value, one_wait_per_collective,
     single_wait,
@@ -118,15 +118,17 @@ def gather_frames_through_prefetch(graph: fx.Graph, backward: bool) -> int:
         before:  shards -> copy_in -> all_gather -> ... wait -> copy_out
         after:   shards -> frame_all_gather -> ... wait -> copy_out
 
-    Only a block frame's all-gather (``STATE_KEY`` is ``BLOCK_FRAME_TOKEN``) whose input is the
-    copy-in of its shards, or a lone parameter's flattened shard with at most a cast and rows of
-    padding (``bucket.unpadded_shard``). Returns how many were rewritten."""
+    Only a block frame's all-gather (``STATE_KEY`` is ``BLOCK_FRAME_TOKEN``), or one group's that the
+    runtime keeps gathered across a backward (``KEEPS_GATHERED_KEY``: [Note: keeping parameters
+    gathered across a backward] in kept_gathers.py), whose input is the copy-in of its shards, or a lone
+    parameter's flattened shard with at most a cast and rows of padding (``bucket.unpadded_shard``).
+    Returns how many were rewritten."""
     from fsdp_compile.passes.bucket import unpadded_shard
 
     rewritten = 0
     for gather in list(graph.find_nodes(op="call_function", target=ALL_GATHER)):
         annotation = fsdp_annotation(gather)
-        if annotation is None or annotation.get(STATE_KEY) != BLOCK_FRAME_TOKEN:
+        if annotation is None or (annotation.get(STATE_KEY) != BLOCK_FRAME_TOKEN and not annotation.get(KEEPS_GATHERED_KEY)):
             continue
         sent, shard_size, group_name = gather.args
         if sent.target is COPY_IN:

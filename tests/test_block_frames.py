@@ -569,11 +569,12 @@ def _refused_with_frames(setting: str) -> str:
 
 
 def test_a_setting_a_blocks_frame_cannot_honour_is_refused_naming_it(dist):
-    """Only the blocks hold parameters, and set_reshard_after_backward(False) comes after a first
-    step: the blocks' frame recompiles on the changed setting, and its graph, which does not name
-    the block, is refused for the block that entered it."""
-    for message in dist.run(2, _refused_with_frames, "reshard_after_backward"):
-        assert "fsdp_inductor" in message and "set_reshard_after_backward(False)" in message and "blocks.0" in message, message
+    """Only the blocks hold parameters, and set_all_reduce_hook comes after a first step: the blocks'
+    frame recompiles on the changed setting, and its graph, which does not name the block, is refused
+    for the block that entered it. (set_reshard_after_backward(False), refused here before, is honoured
+    by block frames: test_compiled_reshard_after_backward.py.)"""
+    for message in dist.run(2, _refused_with_frames, "all_reduce_hook_after_a_step"):
+        assert "fsdp_inductor" in message and "set_all_reduce_hook" in message and "blocks.0" in message, message
 
 
 def _root_parameter_read_after_a_compiled_forward():

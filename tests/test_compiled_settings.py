@@ -16,7 +16,7 @@ from benchmarks.measure import count_collectives
 import fsdp_compile
 from fsdp_compile import BackwardPrefetch, CommPolicy, CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from fsdp_compile.models import next_token_loss
-from fsdp_testing import UNEVEN, CountingAllGather, CountingReduceScatter, TinyLM, global_batches, local_part, shard_model, sharded_copy
+from fsdp_testing import UNEVEN, CountingAllGather, CountingReduceScatter, TinyLM, block_compile_mode, global_batches, local_part, shard_model, sharded_copy
 
 MICRO_BATCHES = 4
 
@@ -135,15 +135,23 @@ def _refused(setting: str) -> str:
         model.set_separate_reduce_scatter_group()
     compiled = torch.compile(model, backend="fsdp_aot_eager")
     inputs = torch.randn(4, 8)
-    if setting == "reshard_after_backward":
-        # Set after a first compiled step: the change recompiles, and the new graph is refused.
-        compiled(inputs).sum().backward()
-        model.set_reshard_after_backward(False)
-    try:
-        compiled(inputs).sum().backward()
-    except Exception as error:  # noqa: BLE001 - the message is the result
-        return str(error)
+    # Blocks as one graph (regions) for set_reshard_after_backward(False): blocks as frames honour it.
+    with block_compile_mode("regions" if setting == "reshard_after_backward" else fsdp_compile.config.block_compile):
+        try:
+            if setting in _SET_AFTER_A_STEP:
+                # Set after a first compiled step: the change recompiles, and the new graph is refused.
+                compiled(inputs).sum().backward()
+                _SET_AFTER_A_STEP[setting](model)
+            compiled(inputs).sum().backward()
+        except Exception as error:  # noqa: BLE001 - the message is the result
+            return str(error)
     return ""
+
+
+_SET_AFTER_A_STEP: dict[str, Callable] = {
+    "reshard_after_backward": lambda model: model.set_reshard_after_backward(False),
+    "all_reduce_hook_after_a_step": lambda model: [block.set_all_reduce_hook(lambda reduced: None) for block in model.blocks],
+}
 
 
 @pytest.mark.parametrize(
@@ -270,7 +278,9 @@ _SETTING_CASES: dict[str, dict] = {
     "set_requires_gradient_sync": dict(each_step=lambda model, step: model.set_requires_gradient_sync(step == 1)),
     "set_requires_all_reduce": dict(world=4, build=lambda: _shard_net(_hsdp_mesh()), each_step=lambda model, step: model.set_requires_all_reduce(step == 1)),
     "set_reshard_after_forward": dict(configure=lambda model: model.set_reshard_after_forward(False)),
-    "set_reshard_after_backward": dict(configure=lambda model: model.set_reshard_after_backward(False), verdict="refused", named="set_reshard_after_backward"),
+    # Two micro-batches, one optimizer step: the first keeps its parameters gathered for the second,
+    # whose forward gathers nothing (test_compiled_reshard_after_backward.py counts it).
+    "set_reshard_after_backward": dict(each_step=lambda model, step: model.set_reshard_after_backward(step == 1), optimizer_steps=(1,)),
     # changes: the steps also run without the setting, and its parameters must differ (not ignored by both).
     "set_gradient_divide_factor": dict(configure=lambda model: model.set_gradient_divide_factor(3.0), changes=True),
     "set_reduce_scatter_divide_factor": dict(configure=lambda model: model.set_reduce_scatter_divide_factor(3.0), changes=True),

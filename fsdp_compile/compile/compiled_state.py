@@ -182,7 +182,8 @@ class CompiledFSDPState(BlockFrameFSDPState, FSDPState):
         """
         group = self.group
         assert group is not None
-        if settings_refused_when_compiled(group):
+        as_frame, outside_blocks = self.compiles_as_frame, self.gathers_once_across_frames
+        if settings_refused_when_compiled(group, gathers_through_frames=as_frame or outside_blocks):
             pass  # the branch makes Dynamo guard on the settings; check_parameters_read refuses them
         traced_for_an_fsdp_backend()  # another backend is told once what it skips
         spec = group.reduce_spec
@@ -193,7 +194,9 @@ class CompiledFSDPState(BlockFrameFSDPState, FSDPState):
         policy = group.comm_policy
         quantize = (policy.all_gather_dtype, policy.block_size) if policy.quantizes_all_gather else None
         reshards = self.reshards_after_forward
-        if self.compiles_as_frame:
+        # [Note: keeping parameters gathered across a backward] in kept_gathers.py
+        keeps_gathered = outside_blocks and self.keeps_gathered_across_frames()
+        if as_frame:
             group_name, token = self.frame_label, BLOCK_FRAME_TOKEN  # one graph for every such block
         else:
             group_name, token = group.label, self.trace_token
@@ -201,7 +204,7 @@ class CompiledFSDPState(BlockFrameFSDPState, FSDPState):
         # ops.py): the gradient is returned, not handed to the runtime one parameter at a time
         # ([Note: the cost of entering a block frame] in frames.py).
         delivers_late = (
-            self.compiles_as_frame and group.requires_gradient_sync and not hybrid and spec.wire_dtype is None
+            as_frame and group.requires_gradient_sync and not hybrid and spec.wire_dtype is None
             and spec.shard_size > 1 and not traced_under_compiled_autograd()
         )
         unsharded = []
@@ -223,7 +226,7 @@ class CompiledFSDPState(BlockFrameFSDPState, FSDPState):
                     deferred = fsdp_param.pop_deferred_all_reduce()
             unsharded.append(unshard_for_trace(
                 fsdp_param.detached_sharded_param if late else fsdp_param.sharded_param, fsdp_param.layout, fsdp_param.param_dtype, spec,
-                trace_annotation(group_name, fsdp_param.fqn, reshards, token), fsdp_param.accumulation_sink,
+                trace_annotation(group_name, fsdp_param.fqn, reshards, token, keeps_gathered), fsdp_param.accumulation_sink,
                 group.requires_gradient_sync, accumulated, deferred,
                 fsdp_param.deferred_all_reduce_sink if sinks_deferred else None, quantize, fsdp_param.tensor_parallel,
                 fsdp_param.gradient_handover_sink if late else None,

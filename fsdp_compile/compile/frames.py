@@ -22,6 +22,7 @@ import torch
 from fsdp_compile import config
 from fsdp_compile.compile import torch_patches
 from fsdp_compile.compile.graph_check import END_OF_FORWARD, block_frames_fingerprint, check_block_frames_match_across_ranks
+from fsdp_compile.compile.kept_gathers import KeptGather, addresses_and_versions, columns_for_graph
 from fsdp_compile.compile.ops import FrameOpsRuntime, serve_frame_ops
 from fsdp_compile.compile.trace_context import note_block_frame_entered, traced_without_graph_breaks
 from fsdp_compile.runtime.collectives import pending_functional_reduce_scatter
@@ -191,25 +192,28 @@ class FramePrefetch:
         self.in_flight: torch.Tensor | None = None
         self._issued_from: tuple | None = None
 
-    def take(self, shards: list[torch.Tensor]) -> torch.Tensor | None:
-        """The all-gather issued ahead on exactly ``shards`` as they are now, or None (any other is let go)."""
+    def take(self, shards: list[torch.Tensor], layout: tuple | None = None) -> torch.Tensor | None:
+        """The all-gather issued ahead on exactly ``shards`` as they are now, in ``layout`` (what the
+        graph gathers, by default), or None (any other is let go)."""
         in_flight, issued_from = self.in_flight, self._issued_from
         self.in_flight, self._issued_from = None, None
         if in_flight is None:
             return None
-        if issued_from != (self.learned, _addresses_and_versions(shards)):
+        if issued_from != (self.learned if layout is None else layout, addresses_and_versions(shards)):
             torch.ops._c10d_functional.wait_tensor(in_flight)
             return None
         return in_flight
 
-    def issue_ahead(self, group: "FSDPParamGroup | None") -> None:
-        """The all-gather this graph issued last time, on ``group``'s shards as they are now."""
+    def issue_ahead(self, group: "FSDPParamGroup | None", layout: tuple | None = None) -> None:
+        """The all-gather this graph issued last time, on ``group``'s shards as they are now (in ``layout``:
+        a group kept gathered gathers whole, see kept_gathers.py)."""
         if self.learned is None or group is None or self.in_flight is not None:
             return
-        indices, padded_numels, param_dtype, shard_size, shard_group_name = self.learned
+        layout = self.learned if layout is None else layout
+        indices, padded_numels, param_dtype, shard_size, shard_group_name = layout
         shards = [group.fsdp_params[index].local_shard() for index in indices]
         self.in_flight = _issue_frame_all_gather(shards, padded_numels, param_dtype, shard_size, shard_group_name)
-        self._issued_from = (self.learned, _addresses_and_versions(shards))
+        self._issued_from = (layout, addresses_and_versions(shards))
 
     def is_whole_group_of(self, group: "FSDPParamGroup") -> bool:
         """Whether what it gathers is ``group``'s eager all-gather, in its layout (its eager hooks can take it)."""
@@ -229,11 +233,6 @@ class FramePrefetch:
         if self.in_flight is not None:
             torch.ops._c10d_functional.wait_tensor(self.in_flight)
         self.in_flight, self._issued_from = None, None
-
-
-def _addresses_and_versions(shards: list[torch.Tensor]) -> list[tuple[int, int]]:
-    """What a frame's all-gather was issued on: a later read of other or since-written shards differs."""
-    return [(shard.data_ptr(), shard._version) for shard in shards]
 
 
 def _issue_frame_all_gather(
@@ -267,6 +266,8 @@ class BlockFrame:
         self.sinks_registered_for: FSDPParamGroup | None = None
         self.identifiable_group: tuple[FSDPParamGroup, bool] | None = None
         self.index_by_address: dict[int, int] = {}
+        # What the group gathered, kept across a backward ([Note: keeping parameters gathered across a backward] in kept_gathers.py).
+        self.kept = KeptGather(state)
 
     def indices_of(self, shards: list[torch.Tensor]) -> "tuple[int, ...] | None":
         """The indices in the block's group of the parameters whose shards ``shards`` are (every one
@@ -274,6 +275,19 @@ class BlockFrame:
         index_by_address = self.index_by_address
         indices = tuple(index_by_address.get(shard.data_ptr(), -1) for shard in shards)
         return None if -1 in indices else indices
+
+    def gather_to_keep(self, layout: tuple, whole: tuple) -> torch.Tensor:
+        """In this group's backward graph, whose gather is ``layout``: the group's whole all-gather
+        (``whole``, the forward's layout; issued ahead by the block after it, or now), kept, and the
+        graph's columns of it ([Note: keeping parameters gathered across a backward] in kept_gathers.py)."""
+        group = self.state.group
+        assert group is not None
+        indices, padded_numels, param_dtype, shard_size, shard_group_name = whole
+        shards = [group.fsdp_params[index].local_shard() for index in indices]
+        in_flight = self.gathers[True].take(shards, whole)
+        if in_flight is None:
+            in_flight = _issue_frame_all_gather(shards, padded_numels, param_dtype, shard_size, shard_group_name)
+        return columns_for_graph(self.kept.keep(in_flight, whole, shards), whole, layout)
 
     def gather_next_ahead(self, backward: bool) -> None:
         """In this block's forward (backward) graph: issue the all-gather of the block whose forward
@@ -283,10 +297,10 @@ class BlockFrame:
         if backward:
             previous = self.previous
             if previous is not None and previous.gathers[True].pending:
-                previous.gathers[True].issue_ahead(previous.state.group)
+                previous.gathers[True].issue_ahead(previous.state.group, previous.kept.whole_layout(previous.gathers[False].learned))
             return
         following = self.next
-        if following is not None and following.state.takes_prefetched_frame_gathers():
+        if following is not None and not following.kept.holds and following.state.takes_prefetched_frame_gathers():
             following.gathers[False].issue_ahead(following.state.group)
 
     def drop_prefetch(self) -> None:
@@ -406,16 +420,27 @@ def _gather_in_frame(
     that of the block that runs next (forward: the next block; backward: the block before it); see
     [Note: prefetch across block frames] in frames.py."""
     block, indices = _frame_block_of(shards, backward)
-    in_flight = None
-    if block is not None:
-        gather = block.gathers[backward]
-        gather.learned = (indices, list(padded_numels), param_dtype, shard_size, shard_group_name)
-        gather.pending = False
-        in_flight = gather.take(shards)
-    if in_flight is None:
-        in_flight = _issue_frame_all_gather(shards, padded_numels, param_dtype, shard_size, shard_group_name)
-    if block is not None:
-        block.gather_next_ahead(backward)
+    if block is None:
+        return _issue_frame_all_gather(shards, padded_numels, param_dtype, shard_size, shard_group_name)
+    gather = block.gathers[backward]
+    layout = gather.learned = (indices, list(padded_numels), param_dtype, shard_size, shard_group_name)
+    gather.pending = False
+    # [Note: keeping parameters gathered across a backward] in kept_gathers.py
+    kept = block.kept
+    whole = kept.whole_layout(block.gathers[False].learned) if backward else None
+    if whole is not None:
+        in_flight = block.gather_to_keep(layout, whole)
+    else:
+        in_flight = None if backward else kept.take(layout, shards)
+        if in_flight is not None:
+            gather.drop()
+        else:
+            in_flight = gather.take(shards)
+            if in_flight is None:
+                in_flight = _issue_frame_all_gather(shards, padded_numels, param_dtype, shard_size, shard_group_name)
+            if not backward and kept.keeps_from_forward():
+                in_flight = kept.keep(in_flight, layout, shards).clone()
+    block.gather_next_ahead(backward)
     return in_flight
 
 
@@ -510,6 +535,8 @@ class BlockFrameFSDPState:
         # On a root: what its model's block frames share, each block's prefetches and place in the
         # learned order among them (read on the root only).
         self.root_frames = RootFrames()
+        # Whether its BlockFrame holds a kept gather: a flag the traces of groups outside blocks read (kept_gathers.py).
+        self.serves_kept_gather = False
 
     def _begin_frame_handoff(self) -> None:
         """Root pre- and post-forward under block frames, traced or run eagerly (a hook
@@ -552,6 +579,7 @@ class BlockFrameFSDPState:
             return
         forward, backward = block.gathers
         forward.pending = backward.pending = False  # the eager hooks gather, forward and backward
+        block.kept.let_go()
         group = self.group
         if forward.in_flight is not None and group is not None and forward.is_whole_group_of(group):
             in_flight = forward.take([p.local_shard() for p in group.fsdp_params])
@@ -655,6 +683,15 @@ class BlockFrameFSDPState:
         if torch.is_grad_enabled():
             self._stage_accumulated_grads()
         self._begin_frame_handoff()
+        for state in self.states_in_tree():
+            if state.keeps_gathered_across_frames():
+                state._register_for_frame_gathers(self.root_frames, self.root_frames.block(state))
+
+    def keeps_gathered_across_frames(self) -> bool:
+        """Whether this group outside blocks gathers through the runtime, which keeps it gathered
+        across a backward or holds a kept gather for it: its reads are traced with
+        KEEPS_GATHERED_KEY ([Note: keeping parameters gathered across a backward] in kept_gathers.py)."""
+        return self._is_outside_blocks() and (not self.group.reshard_after_backward or self.serves_kept_gather)
 
     def _frames_root_post_forward(self) -> None:
         self.frames_forward_running = False

@@ -25,7 +25,9 @@ import torch
 import torch.fx.traceback as fx_traceback
 
 from fsdp_compile import config
-from fsdp_compile.annotations import FSDP_ANNOTATION_KEY, GROUP_KEY, PARAM_KEY, RESHARD_AFTER_FORWARD_KEY, STATE_KEY
+from fsdp_compile.annotations import (
+    FSDP_ANNOTATION_KEY, GROUP_KEY, KEEPS_GATHERED_KEY, PARAM_KEY, RESHARD_AFTER_FORWARD_KEY, STATE_KEY,
+)
 from fsdp_compile.compile.ops import gather_shard, pad_rows
 from fsdp_compile.runtime.collectives import ReduceSpec
 from fsdp_compile.runtime.layout import ShardLayout
@@ -39,15 +41,23 @@ if TYPE_CHECKING:
 __all__ = ["trace_annotation", "unshard_for_trace", "install_traced_param_access", "FSDP_ANNOTATION_KEY"]
 
 
-def trace_annotation(group: str, fqn: str, reshard_after_forward: bool, state_token: int) -> dict[str, object]:
-    """What each node of one parameter's traced unshard carries in ``node.meta["custom"]``."""
-    return {
+def trace_annotation(
+    group: str, fqn: str, reshard_after_forward: bool, state_token: int, keeps_gathered: bool = False,
+) -> dict[str, object]:
+    """What each node of one parameter's traced unshard carries in ``node.meta["custom"]``.
+    ``keeps_gathered``: the group's all-gather goes through the runtime, which keeps it across a
+    backward ([Note: keeping parameters gathered across a backward] in kept_gathers.py); the key is left out
+    otherwise, so every other graph stays as it was."""
+    annotation: dict[str, object] = {
         FSDP_ANNOTATION_KEY: True,
         GROUP_KEY: group,
         PARAM_KEY: fqn,
         RESHARD_AFTER_FORWARD_KEY: reshard_after_forward,
         STATE_KEY: state_token,
     }
+    if keeps_gathered:
+        annotation[KEEPS_GATHERED_KEY] = True
+    return annotation
 
 
 class _AccumulateWithoutSync(torch.autograd.Function):

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch.fx as fx
 
-from fsdp_compile.annotations import BLOCK_FRAME_TOKEN, PARAM_KEY, STATE_KEY, fsdp_annotation
+from fsdp_compile.annotations import BLOCK_FRAME_TOKEN, KEEPS_GATHERED_KEY, PARAM_KEY, STATE_KEY, fsdp_annotation
 from fsdp_compile.compile.trace_context import block_frame_in_trace
 from fsdp_compile.runtime.state import live_states
 
@@ -27,21 +27,32 @@ _PER_BLOCK_WAY_OUT = (
 )
 
 
-def settings_refused_when_compiled(group: "FSDPParamGroup | None") -> list[str]:
+def settings_refused_when_compiled(group: "FSDPParamGroup | None", gathers_through_frames: bool = False) -> list[str]:
     """This group's settings a traced graph cannot honour, each with the way out.
 
     Read while a parameter read is traced, so Dynamo guards on every one: setting one after the
     first compile recompiles, and the backend (``check_parameters_read``) refuses it then.
+    ``gathers_through_frames``: the group's all-gather is the runtime's (a block compiled as a frame,
+    or a group outside blocks under frames), which honours set_reshard_after_backward(False) without
+    the graph reading it ([Note: keeping parameters gathered across a backward] in kept_gathers.py).
     """
     if group is None:
         return []
     refused = []
     alternative = f"{_PER_BLOCK_WAY_OUT} do what the setting asks; or the eager runtime"
-    if not group.reshard_after_backward:
+    runtime_gathers = (
+        gathers_through_frames and not group.comm_policy.quantizes_all_gather
+        and not any(p.tensor_parallel is not None for p in group.fsdp_params)
+    )
+    if not runtime_gathers and not group.reshard_after_backward:
         refused.append(
-            "set_reshard_after_backward(False): a compiled forward's all-gathers are nodes of its graph and run on "
-            "every call; they cannot be skipped because an earlier backward left the parameters gathered, so the "
-            f"compiled step would send the bytes this setting saves; {alternative}"
+            "set_reshard_after_backward(False) where the group's all-gather is a node of the compiled graph (blocks "
+            "compiled as regions or inline: config.block_compile \"regions\" or \"inline\", torch.compile(fullgraph=True), "
+            "a block called inside its caller's checkpoint; or a group with CommPolicy's quantized all-gather or "
+            "tensor-parallel parameters, which gather in their own graph): that node runs on every call and the graph "
+            "frees what it gathered once read, so nothing is left gathered for the next forward, which would send the "
+            "bytes this setting saves. Blocks compiled as frames (block_compile \"frames\", the default, without "
+            f"fullgraph=True) honour it: their all-gathers are the runtime's, which keeps them; or {alternative}"
         )
     if group.post_forward_mesh_info is not None:
         refused.append(f"an int reshard_after_forward: the compiled graph re-gathers from the full shard group; pass True or False, or {alternative}")
@@ -83,7 +94,9 @@ def check_parameters_read(gm: fx.GraphModule) -> None:
     and a local shard with FSDP2's all-gather extension (``fsdp_pre_all_gather``): the traced
     unshard gathers the shard itself and would silently lose the extension.
     """
-    traced = {(a[STATE_KEY], a[PARAM_KEY]) for node in gm.graph.nodes if (a := fsdp_annotation(node)) is not None}
+    annotations = [a for node in gm.graph.nodes if (a := fsdp_annotation(node)) is not None]
+    traced = {(a[STATE_KEY], a[PARAM_KEY]) for a in annotations}
+    kept_gathered = {a[STATE_KEY] for a in annotations if a.get(KEEPS_GATHERED_KEY)}
     # A block compiled as a frame is named in its graph by a token every such block shares: the block
     # is the one whose frame Dynamo is tracing ([Note: blocks compiled as frames] in frames.py).
     block_frame = block_frame_in_trace()
@@ -95,7 +108,8 @@ def check_parameters_read(gm: fx.GraphModule) -> None:
         if not read:
             continue
         state.outermost().runs_compiled = True
-        refused = settings_refused_when_compiled(state.group)
+        # A block frame's gathers, and those of a group whose reads say so, are the runtime's.
+        refused = settings_refused_when_compiled(state.group, state is block_frame or state.trace_token in kept_gathered)
         if refused:
             raise NotImplementedError(
                 f"fsdp_inductor: the fully_shard group '{state.group.label}' has settings the compiled graph "

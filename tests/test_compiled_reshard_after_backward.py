@@ -1,0 +1,110 @@
+"""set_reshard_after_backward(False) under a whole-model torch.compile (blocks compiled as frames, the
+default): gradient accumulation keeps the parameters gathered across micro-batches, so the next forward
+sends no all-gather, as eagerly ([Note: keeping parameters gathered across a backward] in compile/kept_gathers.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from benchmarks.measure import count_collectives
+from fsdp_compile import fully_shard
+
+MICRO_BATCHES = 3
+BLOCKS = 3
+
+
+class _Net(torch.nn.Module):
+    """The root's own input layer and head (one group) around ``BLOCKS`` blocks: a group outside
+    blocks and blocks, both kept gathered; every block's weight is needed in backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(8, 8)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(BLOCKS))
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x).relu()
+        return self.head(x)
+
+
+def _accumulate(compiled: bool, keep_gathered: bool, reshard_after_forward: bool) -> dict:
+    """Two optimizer steps of ``MICRO_BATCHES`` micro-batches, FSDP2's gradient accumulation: no
+    sync and (``keep_gathered``) no reshard after backward but in the last. Per micro-batch: the
+    all-gathers, reduce-scatters and Dynamo's graphs so far; the gradients before each optimizer
+    step and the parameters after the last."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(0)
+    model = _Net()
+    for block in model.blocks:
+        fully_shard(block, reshard_after_forward=reshard_after_forward)
+    fully_shard(model)
+    runner = torch.compile(model, backend="fsdp_aot_eager") if compiled else model
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(10 + dist.get_rank())
+    result: dict = {"all_gathers": [], "reduce_scatters": [], "graphs": [], "grads": []}
+    for _ in range(2):
+        for index in range(MICRO_BATCHES):
+            last = index == MICRO_BATCHES - 1
+            model.set_requires_gradient_sync(last)
+            model.set_reshard_after_backward(last or not keep_gathered)
+            x = torch.randn(4, 8, generator=generator)
+            with count_collectives() as counts:
+                (runner(x).square().mean() / MICRO_BATCHES).backward()
+            result["all_gathers"].append(counts.get("all_gather", 0))
+            result["reduce_scatters"].append(counts.get("reduce_scatter", 0))
+            result["graphs"].append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        result["grads"].append([p.grad.full_tensor() for p in model.parameters()])
+        optimizer.step()
+        optimizer.zero_grad()
+    result["params"] = [p.full_tensor().detach() for p in model.parameters()]
+    return result
+
+
+def _eager_and_compiled(reshard_after_forward: bool) -> dict:
+    return {
+        (compiled, keep): _accumulate(compiled, keep, reshard_after_forward) for compiled in (False, True) for keep in (True, False)
+    }
+
+
+def _check_compiled_as_eager(runs: dict) -> None:
+    eager, compiled = runs[(False, True)], runs[(True, True)]
+    assert compiled["all_gathers"] == eager["all_gathers"], (compiled["all_gathers"], eager["all_gathers"])
+    assert compiled["reduce_scatters"] == eager["reduce_scatters"]
+    for step_eager, step_compiled in zip(eager["grads"], compiled["grads"]):
+        assert all(torch.equal(a, b) for a, b in zip(step_eager, step_compiled))
+    assert all(torch.equal(a, b) for a, b in zip(eager["params"], compiled["params"]))
+    # The parameters moved (not vacuously equal), and keeping them gathered changed no numerics.
+    assert max((a - b).abs().max().item() for a, b in zip(compiled["params"], runs[(True, False)]["params"])) == 0.0
+    assert max(g.abs().max().item() for g in compiled["grads"][0]) > 1e-3
+
+
+def test_compiled_accumulation_keeping_parameters_gathered_sends_eagers_all_gathers(dist):
+    runs = dist.run(2, _eager_and_compiled, True)[0]
+    _check_compiled_as_eager(runs)
+    # Eagerly: the first micro-batch gathers every group in forward (the root and each block) and the
+    # resharding blocks again in backward; the later ones only the blocks' backward, the rest kept.
+    first, later = 1 + 2 * BLOCKS, BLOCKS
+    assert runs[(False, True)]["all_gathers"] == ([first] + [later] * (MICRO_BATCHES - 1)) * 2
+    # What the setting changes: without it every micro-batch gathers as the first.
+    assert runs[(True, False)]["all_gathers"] == runs[(False, False)]["all_gathers"] == [first] * MICRO_BATCHES * 2
+    assert runs[(True, True)]["reduce_scatters"] == ([0] * (MICRO_BATCHES - 1) + [1 + BLOCKS]) * 2
+    # Graphs: the block frame's never read the setting; the root's first graph traces its gather through
+    # the runtime either way here (the setting False, or a kept gather waiting for the last micro-batch),
+    # so the setting adds no graph: the synced micro-batch compiles the same two again as without it.
+    assert runs[(True, True)]["graphs"] == runs[(True, False)]["graphs"]
+    graphs = runs[(True, True)]["graphs"]
+    assert graphs == [graphs[0]] * (MICRO_BATCHES - 1) + [graphs[0] + 2] * (MICRO_BATCHES + 1), graphs
+
+
+def test_compiled_accumulation_keeping_blocks_unsharded_after_forward_sends_no_later_all_gather(dist):
+    runs = dist.run(2, _eager_and_compiled, False)[0]
+    _check_compiled_as_eager(runs)
+    # reshard_after_forward=False: backward gathers nothing, and a micro-batch after the first nothing.
+    first = 1 + BLOCKS
+    assert runs[(False, True)]["all_gathers"] == ([first] + [0] * (MICRO_BATCHES - 1)) * 2
+    assert runs[(True, False)]["all_gathers"] == [first] * MICRO_BATCHES * 2
