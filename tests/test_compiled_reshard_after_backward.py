@@ -108,3 +108,19 @@ def test_compiled_accumulation_keeping_blocks_unsharded_after_forward_sends_no_l
     first = 1 + BLOCKS
     assert runs[(False, True)]["all_gathers"] == ([first] + [0] * (MICRO_BATCHES - 1)) * 2
     assert runs[(True, False)]["all_gathers"] == [first] * MICRO_BATCHES * 2
+
+
+def test_a_backward_graph_gets_its_parameters_columns_of_the_kept_whole_group_gather():
+    """The kept gather is the group's whole all-gather ([world, every parameter's padded shard]); a
+    backward graph that gathers only some parameters (what backward reads) gets their columns, in its
+    order, as a tensor of its own (the graph may reuse its buffers; the kept one must stay)."""
+    from fsdp_compile.compile.kept_gathers import columns_for_graph
+
+    world, numels = 2, [3, 2, 4]
+    rows = [torch.arange(sum(numels)) + 100 * rank for rank in range(world)]  # rank r's slot: its shards' copy-in
+    gathered = torch.cat(rows)
+    whole = ((0, 1, 2), numels, torch.int64, world, "group")
+    cut = columns_for_graph(gathered, whole, ((2, 0), [4, 3], torch.int64, world, "group"))
+    assert cut.tolist() == [5, 6, 7, 8, 0, 1, 2, 105, 106, 107, 108, 100, 101, 102]
+    same = columns_for_graph(gathered, whole, whole)
+    assert torch.equal(same, gathered) and same.data_ptr() != gathered.data_ptr()

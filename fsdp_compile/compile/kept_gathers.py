@@ -33,7 +33,10 @@ __all__ = ["KeptGather", "addresses_and_versions", "columns_for_graph"]
 #   is handed out only once it is let go: Inductor may reuse a buffer once its graph read it;
 # - a kept gather is taken only where the group's shards are those it was gathered from, at the
 #   same versions (the optimizer's step, a load or a .data swap make it stale: let go, gathered
-#   again); a frame Dynamo runs eagerly lets it go (its eager hooks gather);
+#   again); a frame Dynamo runs eagerly lets it go (its eager hooks gather). Here compiled and eager
+#   differ on purpose: eagerly (and in FSDP2) a forward after an optimizer step that found the group
+#   still gathered trains on the stale gathered values (seen: other losses than resharding); FSDP2's
+#   recipe, set_reshard_after_backward(True) on the last micro-batch, never meets either;
 # - set_reshard_after_backward is read where the runtime gathers: the backward's gather keeps with it
 #   False; a forward's gather keeps where the group does not reshard after forward (held from there
 #   through the backward, as eagerly) and the setting is False as the forward runs. With True (the
