@@ -71,15 +71,15 @@ def _frame_gathers():
     take, issue = _FrameGather.take, _FrameGather.issue_ahead
     events: dict[bool, list[tuple[str, str, bool]]] = {False: [], True: []}
 
-    def taken(gather: _FrameGather, shards: list[torch.Tensor]) -> torch.Tensor | None:
-        in_flight = take(gather, shards)
+    def taken(gather: _FrameGather, shards: list[torch.Tensor], *layout: tuple) -> torch.Tensor | None:
+        in_flight = take(gather, shards, *layout)
         label, backward = _owner(gather)
         events[backward].append(("gathers", label, in_flight is not None))
         return in_flight
 
-    def issued(gather: _FrameGather, group) -> None:
+    def issued(gather: _FrameGather, group, *layout: tuple) -> None:
         before = gather.in_flight
-        issue(gather, group)
+        issue(gather, group, *layout)
         if gather.in_flight is not None and gather.in_flight is not before:
             label, backward = _owner(gather)
             events[backward].append(("prefetches", label, True))
@@ -436,11 +436,11 @@ def _reductions_handed_over():
     take, hold, finish = _FrameGather.take, FSDPParamGroup.hold_reduction, FSDPParamGroup.finish_reduction
     events: list[tuple[str, str]] = []
 
-    def taken(gather: _FrameGather, shards: list[torch.Tensor]) -> torch.Tensor | None:
+    def taken(gather: _FrameGather, shards: list[torch.Tensor], *layout: tuple) -> torch.Tensor | None:
         label, backward = _owner(gather)
         if backward:
             events.append(("gathers", label))
-        return take(gather, shards)
+        return take(gather, shards, *layout)
 
     def held(group: FSDPParamGroup, params, pending) -> None:
         events.append(("hands over", group.label))
