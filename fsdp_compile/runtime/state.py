@@ -148,9 +148,10 @@ class _PostBackwardTrigger(torch.autograd.Function):
         ``forward`` has none of: four fifths of the trigger's cost, paid once per module and step.
         Outside functorch transforms the trigger is applied as ``Function.apply`` applies it after
         that binding: dead functorch wrappers unwrapped, then the C++ apply, which runs ``forward``
-        and ``setup_context`` as usual. Inside a transform it goes through ``Function.apply``.
+        and ``setup_context`` as usual. Inside a transform, or traced (Dynamo knows ``Function.apply``
+        only), it goes through ``Function.apply``.
         """
-        if torch._C._are_functorch_transforms_active():
+        if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
             return cls.apply(state, *inputs)
         return super(torch.autograd.Function, cls).apply(state, *unwrap_dead_wrappers(tuple(inputs)))
 
