@@ -442,3 +442,56 @@ def test_map_tensors_returns_a_container_it_changed_nothing_in_as_it_was():
     assert doubled is not tree and tree[1]["mask"] is x
     assert [t.sum().item() for t in tensors_in(doubled)] == [4.0, 4.0, 4.0]
     assert type(doubled[0][1]) is list and doubled[0][1][1:] == [1, None] and doubled[1]["flag"] is True
+
+
+class EagerStepCalls(NamedTuple):
+    dynamo_switches: int  # calls of set_eval_frame (Dynamo's frame callback switched) in one step
+    signature_bindings: int  # calls of inspect.signature in one step
+    grads_like_params: bool  # every sharded gradient a DTensor with its parameter's mesh, placements and shape
+
+
+def _calls_in_an_eager_step() -> EagerStepCalls:
+    """What one eager forward and backward calls into (the second step: lazy init is done)."""
+    import inspect
+    import sys
+
+    model = shard_model(sharded_copy(build_reference()), fully_shard)
+    tokens = local_part(global_batches(1, 2, dist.get_world_size())[0])
+    next_token_loss(model(tokens), tokens).backward()
+    for p in model.parameters():
+        p.grad = None
+    switches, signatures = [], []
+
+    def count(frame, event, arg):
+        if event == "c_call" and getattr(arg, "__name__", "") == "set_eval_frame":
+            switches.append(arg)
+        elif event == "call" and frame.f_code is inspect.signature.__code__:
+            signatures.append(frame)
+
+    sys.setprofile(count)
+    try:
+        next_token_loss(model(tokens), tokens).backward()
+    finally:
+        sys.setprofile(None)
+    grads_like_params = all(
+        isinstance(p.grad, torch.distributed.tensor.DTensor) and p.grad.device_mesh == p.device_mesh
+        and p.grad.placements == p.placements and p.grad.shape == p.shape and not p.grad.requires_grad
+        for p in model.parameters()
+    )
+    return EagerStepCalls(len(switches), len(signatures), grads_like_params)
+
+
+def test_an_eager_step_over_one_rank_never_switches_dynamos_frame_callback(dist):
+    """[Note: a DTensor made by its __new__] and [Note: Dynamo's disable only where Dynamo runs]: the
+    sharded gradients are made without DTensor.__init__'s disable wrapper. Over one rank, where no
+    copy kernel runs (a torch.library custom op switches it in its own dispatch), none is left."""
+    result = dist.run(1, _calls_in_an_eager_step)[0]
+    assert result.grads_like_params, result
+    assert result.dynamo_switches == 0, result
+
+
+def test_an_eager_step_binds_no_signatures_to_apply_the_post_backward_trigger(dist):
+    """[Note: applying the post-backward trigger]: autograd.Function.apply's inspect.signature, once per
+    module and step, is skipped outside functorch transforms."""
+    result = dist.run(1, _calls_in_an_eager_step)[0]
+    assert result.signature_bindings == 0, result

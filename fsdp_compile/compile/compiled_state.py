@@ -141,11 +141,13 @@ class CompiledFSDPState(BlockFrameFSDPState, FSDPState):
         compiled (its root's hooks stood aside), no eager hook ran for this group in this forward,
         and this is not a checkpoint's recompute in backward. The block's frame, or the reads of the
         groups outside blocks (``unsharded_across_frames``), gather and reduce instead."""
+        # Every eager hook asks: what tells eager training apart (no compiled call around it, a model
+        # that never ran compiled) is read first, the rest only under torch.compile.
         root = self.outermost()
         return (
-            config.block_compile_is("frames") and not config.skip_fsdp_hooks and self.training_state is TrainingState.IDLE
-            and (root.runs_compiled or inside_a_compiled_call()) and root.training_state is TrainingState.IDLE
-            and torch._C._current_graph_task_id() == -1
+            (inside_a_compiled_call() or root.runs_compiled) and config.block_compile_is("frames")
+            and not config.skip_fsdp_hooks and self.training_state is TrainingState.IDLE
+            and root.training_state is TrainingState.IDLE and torch._C._current_graph_task_id() == -1
         )
 
     def unsharded_across_frames(self, fsdp_param: "FSDPParam") -> torch.Tensor:

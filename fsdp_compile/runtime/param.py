@@ -233,7 +233,12 @@ class FSDPParam:
             stride = torch.empty(self.orig_size, device="meta").stride()
             spec = DTensorSpec(self.mesh_info.mesh, tuple(self.placements), tensor_meta=TensorMeta(self.orig_size, stride, local.dtype))
             self._sharded_specs[local.dtype] = spec
-        return DTensor(local, spec, requires_grad=False)
+        # [Note: a DTensor made by its __new__] ``DTensor(...)`` is its C++ ``__new__`` followed by an
+        # ``__init__`` that only calls ``Tensor.__init__`` (nothing) under ``torch._disable_dynamo``,
+        # whose wrapper switches Dynamo's frame callback off and on: twice the cost of the tensor
+        # itself, for every parameter's gradient every step. The same tensor without that call
+        # (torch 2.13; tests/test_runtime.py checks it is one DTensor like the constructor's).
+        return DTensor.__new__(DTensor, local, spec, requires_grad=False)
 
     def piece_of_full(self, full: torch.Tensor) -> torch.Tensor:
         """What FSDP shards of a full (global) tensor: this rank's TP piece (the tensor itself without TP)."""
@@ -304,13 +309,15 @@ class FSDPParam:
         """Where the all-gather copy-out writes, contiguous in the dim-0 view: the unsharded
         parameter's data with its storage allocated, or for a parameter sharded on a dim > 0 a
         temporary that :meth:`finish_copy_out` moves into it."""
-        param, data = self.unsharded_param, self._unsharded_storage_tensor()
+        param = self.unsharded_param
+        data = param if self.tensor_parallel is None else param._local_tensor  # _unsharded_storage_tensor
         storage = data.untyped_storage()
-        nbytes = data.numel() * data.element_size()
-        if storage.size() != nbytes:
+        nbytes = data.nbytes
+        if storage.nbytes() != nbytes:
             storage.resize_(nbytes)
-        if param.requires_grad != self.sharded_param.requires_grad:  # requires_grad_ is refused under torch.func
-            param.requires_grad_(self.sharded_param.requires_grad)
+        requires_grad = self.sharded_param.requires_grad
+        if param.requires_grad != requires_grad:  # requires_grad_ is refused under torch.func
+            param.requires_grad_(requires_grad)
         if self.layout.dim == 0:
             return data.data
         return torch.empty(self.layout.dim0_shape(), dtype=data.dtype, device=data.device)

@@ -344,8 +344,9 @@ class FSDPParamGroup:
             with torch.no_grad():
                 outs = [p.unsharded_data_for_copy_out() for p in self.fsdp_params]
                 # One op for the group, casting as it copies: the shard is the whole parameter.
-                # A shard over one rank sharded on dim 0 has its parameter's shape: no view needed.
-                torch._foreach_copy_(outs, [p.all_gather_input() for p in self.fsdp_params])
+                # A shard over one rank sharded on dim 0 and on the device (_copies_at_one_rank) is
+                # its all-gather input as it is, with its parameter's shape: no view, move or copy.
+                torch._foreach_copy_(outs, [p.local_shard() for p in self.fsdp_params])
             return pending
         gathered = pending.wait(self.comm)
         padded = [

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch._functorch.utils import unwrap_dead_wrappers
 from torch.autograd.graph import register_multi_grad_hook
 
 from fsdp_compile import config
@@ -136,6 +137,23 @@ class _PostBackwardTrigger(torch.autograd.Function):
     @staticmethod
     def jvp(ctx: Any, state_tangent: Any, *tangents: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(t.view_as(t) for t in tangents)
+
+    @classmethod
+    def hook(cls, state: "FSDPState", inputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """``cls.apply(state, *inputs)``, without the argument binding only functorch needs.
+
+        [Note: applying the post-backward trigger]
+        ``autograd.Function.apply`` of a Function with ``setup_context`` binds its arguments to
+        ``forward``'s signature (``inspect.signature``, every call) to fill in defaults, which this
+        ``forward`` has none of: four fifths of the trigger's cost, paid once per module and step.
+        Outside functorch transforms the trigger is applied as ``Function.apply`` applies it after
+        that binding: dead functorch wrappers unwrapped, then the C++ apply, which runs ``forward``
+        and ``setup_context`` as usual. Inside a transform, or traced (Dynamo knows ``Function.apply``
+        only), it goes through ``Function.apply``.
+        """
+        if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
+            return cls.apply(state, *inputs)
+        return super(torch.autograd.Function, cls).apply(state, *unwrap_dead_wrappers(tuple(inputs)))
 
 
 class _PreBackwardTrigger(torch.autograd.Function):
@@ -451,7 +469,7 @@ class FSDPState:
         needing_grad = list({id(x): x for x in tensors_in((args, kwargs)) if x.requires_grad}.values())
         if not needing_grad or self.group is None:
             return args, kwargs
-        hooked = dict(zip((id(x) for x in needing_grad), _PostBackwardTrigger.apply(self, *needing_grad)))
+        hooked = dict(zip((id(x) for x in needing_grad), _PostBackwardTrigger.hook(self, needing_grad)))
         self._unfired_post_backward_triggers += 1
         return map_tensors(lambda x: hooked.get(id(x), x), (args, kwargs))
 
