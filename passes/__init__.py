@@ -27,13 +27,17 @@ def apply_post_grad_passes(gm: fx.GraphModule, config) -> fx.GraphModule:
     """
     from fsdp_compile.passes.bucket import bucket_collectives
     from fsdp_compile.passes.dump import dump_graph
-    from fsdp_compile.passes.graph import graph_kind
+    from fsdp_compile.passes.graph import graph_kind, one_wait_per_collective
     from fsdp_compile.passes.recompute import deliver_frame_reductions_late, gather_frames_through_prefetch
     from fsdp_compile.passes.reorder import reorder_collectives
 
     config = config.resolved()
     kind = graph_kind(gm)
     dump_graph(gm, kind, "0-input", config)
+    # [Note: one wait per collective] in graph.py: once per graph, here, not in each pass below.
+    if one_wait_per_collective(gm.graph):
+        gm.graph.lint()
+        gm.recompile()
     gm = bucket_collectives(gm, config)
     dump_graph(gm, kind, "1-after-bucket", config)
     gm = reorder_collectives(gm, config)

@@ -2,7 +2,8 @@
 
 Expects a partitioned forward or backward graph (AOTAutograd's, before or after Inductor's
 decompositions) whose per-parameter collectives carry ``node.meta["custom"]["fsdp_group"]``
-(``fsdp_compile.compile.param_reads``). Leaves, per group (and per process group and dtype), one
+(``fsdp_compile.compile.param_reads``), each read through one wait ([Note: one wait per collective]
+in graph.py). Leaves, per group (and per process group and dtype), one
 collective on a flat bucket. The all-gather's copy-in pads and casts each shard to ``param_dtype``
 as it writes the bucket (one op, or a ``cat`` of per-parameter casts Inductor fuses into the one
 kernel that writes it); the reduce-scatter's ``cat`` takes the ``reduce_dtype`` casts alike; no
@@ -35,7 +36,7 @@ from fsdp_compile.config import PassConfig
 from fsdp_compile.passes.graph import (
     ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BUCKET_KEY, COLLECTIVE_NAMES, COLLECTIVES, COPY_IN, COPY_OUT, FORCE_STRIDE, FSDP_ANNOTATION_KEY, GROUP_KEY,
     GRADIENT_REDUCTIONS, GROUPS_KEY, KEEPS_GATHERED_KEY, PARAM_KEY, PARAMS_KEY, REDUCE_SCATTER, RESHARD_AFTER_FORWARD_KEY, STATE_KEY, WAIT, collective_nodes,
-    erase_unused_chain, fsdp_annotation, give_up, is_cast, new_node, node_value, one_wait_per_collective, single_wait,
+    erase_unused_chain, fsdp_annotation, give_up, is_cast, new_node, node_value, single_wait,
 )
 
 __all__ = ["bucket_collectives", "unpadded_shard"]
@@ -396,7 +397,7 @@ def bucket_collectives(gm: fx.GraphModule, config: PassConfig) -> fx.GraphModule
     if not config.bucket:
         return gm
     graph = gm.graph
-    changed = one_wait_per_collective(graph) > 0  # [Note: one wait per collective] in graph.py
+    changed = False
     for bucket in _collect(graph, ALL_GATHER, config):
         changed |= _bucket_all_gather(graph, bucket, config)
     for target in GRADIENT_REDUCTIONS:

@@ -97,8 +97,10 @@ def single_wait(collective: fx.Node) -> fx.Node | None:
 # all-gather) is waited on once in torch 2.13's graphs, whose CSE merged the two reads' waits; torch
 # 2.14 marks ``wait_tensor`` side-effecting, so its CSE keeps both and the collective has two waits
 # (each with its own copy of the slice after it). Waiting twice on one collective yields the same
-# tensor, so the passes first read every later wait as the first one; the graph then holds the
-# shape they rewrite (one collective, one wait) on either torch.
+# tensor, so ``apply_post_grad_passes`` (passes/__init__.py) first reads every later wait as the
+# first one, once per graph; the graph then holds the shape every pass rewrites (one collective,
+# one wait) on either torch. A pass run alone on a graph with two waits leaves that collective
+# alone and counts it (``single_wait`` is None), as any collective read other than through one wait.
 def one_wait_per_collective(graph: fx.Graph) -> int:
     """Make every collective whose readers are all ``wait_tensor`` read through its first wait (the
     later waits' readers read it; the later waits go); returns how many waits went."""

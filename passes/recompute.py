@@ -26,7 +26,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from fsdp_compile.passes.graph import (
     ALL_GATHER, BLOCK_FRAME_TOKEN, COPY_IN, DELIVER_GRADIENT, DELIVER_REDUCE_SCATTER_LATE, FRAME_GATHER, KEEPS_GATHERED_KEY,
     REDUCE_SCATTER, RESHARD_AFTER_FORWARD_KEY, STATE_KEY,
-    erase_unused_chain, fsdp_annotation, give_up, is_cast, is_tangent, is_view, new_node, node_value, one_wait_per_collective,
+    erase_unused_chain, fsdp_annotation, give_up, is_cast, is_tangent, is_view, new_node, node_value,
     single_wait,
 )
 
@@ -203,7 +203,6 @@ def deliver_frame_reductions_late(graph: fx.Graph) -> int:
 
     Returns how many were rewritten."""
     output = next(iter(graph.find_nodes(op="output")))
-    one_wait_per_collective(graph)  # [Note: one wait per collective] in graph.py
     rewritten = 0
     for reduce_scatter in list(graph.find_nodes(op="call_function", target=REDUCE_SCATTER)):
         annotation = fsdp_annotation(reduce_scatter)

@@ -1,6 +1,7 @@
 """Post-grad pass: issue all-gathers ahead of their use and wait on collectives late, under a budget.
 
-Runs after ``bucket.py`` on a partitioned forward or backward graph. The graph's other nodes keep
+Runs after ``bucket.py`` on a partitioned forward or backward graph whose collectives are each
+read through one wait ([Note: one wait per collective] in graph.py). The graph's other nodes keep
 their order (the "compute stream"); the pass only decides where two kinds of movable blocks go:
 
 - an all-gather's *issue block*: the all-gather and the copy-in nodes only it reads (pad, cast,
@@ -52,7 +53,7 @@ import torch.fx as fx
 from fsdp_compile.config import PassConfig
 from fsdp_compile.passes.graph import (
     ALL_GATHER, ALL_REDUCE, COLLECTIVES, GRADIENT_REDUCTIONS, GROUP_KEY, WAIT, collective_bytes,
-    collective_nodes, fsdp_annotation, give_up, one_wait_per_collective, single_wait,
+    collective_nodes, fsdp_annotation, give_up, single_wait,
 )
 
 __all__ = ["reorder_collectives"]
@@ -262,9 +263,6 @@ def reorder_collectives(gm: fx.GraphModule, config: PassConfig) -> fx.GraphModul
     if not config.reorder:
         return gm
     graph = gm.graph
-    if one_wait_per_collective(graph):  # [Note: one wait per collective] in graph.py
-        graph.lint()
-        gm.recompile()
     collectives = _collectives(graph)
     if collectives is None:
         give_up("reorder", "a collective's result is read other than through one wait; graph left in order")
