@@ -513,12 +513,15 @@ def test_block_frames_steady_state_recompiles_once_per_shape_class_not_per_block
     graphs = dist.run(2, _steady_state_of_frames)[0]
     assert graphs[0] == graphs[2], graphs
     assert graphs[3] == graphs[5], graphs
-    # Exact counts (torch 2.13): the first step compiles 5 frames (the root's pieces around the blocks
+    # Exact counts (torch 2.13): the first step compiles 4 frames (the root's pieces around the blocks
     # and one frame both blocks share), eval their no-grad variants. A new shape class recompiles
-    # each distinct frame that reads the shape once (3), not once per block, and then stays dynamic.
-    assert graphs[0] == 5 and graphs[3] - graphs[2] == graphs[0], graphs
-    assert graphs[6] - graphs[5] == 3 and graphs[7] == graphs[6], graphs
-    assert graphs[8] - graphs[7] == 3 and graphs[9] == graphs[8], graphs
+    # each distinct frame that reads the shape once (2: the blocks' frame and the final norm), not
+    # once per block, and then stays dynamic. (5 and 3 before the FSDP hooks became frames Dynamo
+    # skips: a block's post-forward hook compiled a graph returning its input, shape-guarded:
+    # [Note: hook frames under block frames] in compiled_state.py.)
+    assert graphs[0] == 4 and graphs[3] - graphs[2] == graphs[0], graphs
+    assert graphs[6] - graphs[5] == 2 and graphs[7] == graphs[6], graphs
+    assert graphs[8] - graphs[7] == 2 and graphs[9] == graphs[8], graphs
 
 
 def _a_frame_run_eagerly_on_one_rank() -> str:

@@ -22,7 +22,9 @@ from fsdp_compile import MixedPrecisionPolicy, fully_shard
 from fsdp_compile.compile.compiled_state import CompiledFSDPState as FSDPState
 
 DIM, VOCAB, LAYERS, STEPS = 16, 32, 2, 2
-_HOOKS = (FSDPState._pre_forward_hook, FSDPState._post_forward_hook)
+# The frames Dynamo compiles of the hooks (the registered hooks are frames it skips): [Note: hook frames
+# under block frames] in compile/compiled_state.py.
+_HOOKS = (FSDPState._pre_forward_hook_frame, FSDPState._post_forward_hook_frame)
 
 # How the block is compiled, in the order the user writes it:
 #   wrapper_before: model.layers[i] = torch.compile(block); then fully_shard (torchtitan before 0.3)

@@ -22,7 +22,8 @@ from fsdp_compile.compile.frames import BlockFrameFSDPState, blocks_as_frames_in
 from fsdp_compile.compile.param_reads import trace_annotation, unshard_for_trace
 from fsdp_compile.compile.policy import settings_refused_when_compiled
 from fsdp_compile.compile.trace_context import (
-    inside_a_compiled_call, traced_for_an_fsdp_backend, traced_in_a_callers_higher_order_op, traced_under_compiled_autograd,
+    compiled_call_may_break_graphs, inside_a_compiled_call, traced_for_an_fsdp_backend, traced_in_a_callers_higher_order_op,
+    traced_under_compiled_autograd,
 )
 from fsdp_compile.runtime.param_group import TrainingState
 from fsdp_compile.runtime.state import FSDPState
@@ -72,6 +73,9 @@ class CompiledFSDPState(BlockFrameFSDPState, FSDPState):
         self.eager_enter_block_frame = torch._dynamo.disable(self.enter_block_frame, recursive=True)
         self.eager_frames_root_pre_forward = torch._dynamo.disable(self._frames_root_pre_forward, recursive=True)
         self.eager_frames_root_post_forward = torch._dynamo.disable(self._frames_root_post_forward, recursive=True)
+        # Hooks whose frame Dynamo need not compile: [Note: hook frames under block frames].
+        self.eager_pre_forward_without_a_frame = torch._dynamo.disable(self._pre_forward_without_a_frame, recursive=True)
+        self.eager_post_forward_without_a_frame = torch._dynamo.disable(self._post_forward_without_a_frame, recursive=True)
         # Names this state in the annotations of traced nodes (check_parameters_read in policy.py).
         self.trace_token = next(_trace_tokens)
         self._init_block_frames()
@@ -135,17 +139,18 @@ class CompiledFSDPState(BlockFrameFSDPState, FSDPState):
         blocks compiled as frames split its forward into several graphs."""
         return self.has_group and not self._is_block()
 
-    def hooks_act_as_traced(self) -> bool:
+    def hooks_act_as_traced(self, in_a_compiled_call: bool = False) -> bool:
         """Whether a hook Dynamo runs eagerly (it gave up on the hook's own frame, which blocks
         compiled as frames make of each hook) does what its traced form does: the model runs
         compiled (its root's hooks stood aside), no eager hook ran for this group in this forward,
         and this is not a checkpoint's recompute in backward. The block's frame, or the reads of the
-        groups outside blocks (``unsharded_across_frames``), gather and reduce instead."""
+        groups outside blocks (``unsharded_across_frames``), gather and reduce instead.
+        ``in_a_compiled_call``: the caller saw Dynamo's callback set, asking with Dynamo off."""
         # Every eager hook asks: what tells eager training apart (no compiled call around it, a model
         # that never ran compiled) is read first, the rest only under torch.compile.
         root = self.outermost()
         return (
-            (inside_a_compiled_call() or root.runs_compiled) and config.block_compile_is("frames")
+            (in_a_compiled_call or inside_a_compiled_call() or root.runs_compiled) and config.block_compile_is("frames")
             and not config.skip_fsdp_hooks and self.training_state is TrainingState.IDLE
             and root.training_state is TrainingState.IDLE and torch._C._current_graph_task_id() == -1
         )
@@ -235,29 +240,95 @@ class CompiledFSDPState(BlockFrameFSDPState, FSDPState):
             ))
         return unsharded
 
+    # [Note: hook frames under block frames]
+    # nn.Module's __call__ and _call_impl are in Dynamo's skip files, so wherever a module's call is not
+    # inlined into a trace (the root's always; each block's under block frames, whose caller's graph
+    # breaks at the block), Dynamo compiles each FSDP hook as a frame of its own. Under block frames
+    # those frames hold no graph: the root's hand their bookkeeping to an eager call
+    # (_root_hooks_run_eagerly_for_frames), whose graph break adds a restart and a resume frame, and
+    # then _cast_forward_inputs or _cast_output is a frame of its own; a block's only casts. They
+    # cost 8 of the own model's 15 Dynamo frames on the first step, and every step Dynamo's lookup and
+    # guards of each block's pre- and post-forward frame. So the registered hooks are frames Dynamo
+    # skips (skip_code: the frame, not what it calls; a trace that inlines a hook, as a whole-model
+    # graph does, still traces it). Run as a frame of its own inside a compiled call, a hook asks
+    # eagerly, Dynamo off (a function it called with Dynamo on would be traced as a frame, where
+    # is_compiling() is True), whether its traced form under block frames is what it does eagerly
+    # (hooks_act_as_traced, in a call that may break its graphs); if so it runs that form there.
+    # Elsewhere it calls its frame (_pre_forward_hook_frame, _post_forward_hook_frame), which Dynamo
+    # compiles or inlines as before: regions, fullgraph=True (whose trace of a root hook stages the
+    # sums in the graph instead), the eager fallback, eager training. Numerics and collectives are
+    # the same either way.
     def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if not torch.compiler.is_compiling():
+            callback = torch._C._dynamo.eval_frame.get_eval_frame_callback()
+            if callback:
+                ran, result = self.eager_pre_forward_without_a_frame(callback, args, kwargs)
+                if ran:
+                    return result
+        return self._pre_forward_hook_frame(module, args, kwargs)
+
+    def _post_forward_hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if not torch.compiler.is_compiling():
+            callback = torch._C._dynamo.eval_frame.get_eval_frame_callback()
+            if callback:
+                ran, result = self.eager_post_forward_without_a_frame(callback, output)
+                if ran:
+                    return result
+        return self._post_forward_hook_frame(module, args, output)
+
+    def _hook_needs_no_frame(self, callback: Any) -> bool:
+        """Eagerly, Dynamo off, in a hook run as a frame of its own under Dynamo's ``callback``: whether
+        its traced form is what it does eagerly ([Note: hook frames under block frames])."""
+        return (
+            config.block_compile_is("frames") and compiled_call_may_break_graphs(callback)
+            and self.hooks_act_as_traced(in_a_compiled_call=True)
+        )
+
+    def _pre_forward_without_a_frame(self, callback: Any, args: tuple, kwargs: dict) -> tuple[bool, Any]:
+        if not self._hook_needs_no_frame(callback):
+            return False, None
+        return True, self._pre_forward_as_traced(args, kwargs, compiling=False)
+
+    def _post_forward_without_a_frame(self, callback: Any, output: Any) -> tuple[bool, Any]:
+        if not self._hook_needs_no_frame(callback):
+            return False, None
+        return True, self._post_forward_as_traced(output, compiling=False)
+
+    def _pre_forward_hook_frame(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         compiling = torch.compiler.is_compiling()
         if compiling and config.skip_fsdp_hooks:  # FSDPModule.forward runs the hook eagerly
             return args, kwargs
         if compiling or self.hooks_act_as_traced():
             # See [Note: parameter reads under torch.compile] in param_reads.py.
-            if self.outer is None:
-                if self._root_hooks_run_eagerly_for_frames(compiling):
-                    self.eager_frames_root_pre_forward()
-                elif torch.is_grad_enabled():
-                    self._stage_accumulated_grads()
-            return self._cast_forward_inputs(args, kwargs)
+            return self._pre_forward_as_traced(args, kwargs, compiling)
         return self._pre_forward(module, args, kwargs)
 
-    def _post_forward_hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
+    def _pre_forward_as_traced(self, args: tuple, kwargs: dict, compiling: bool) -> tuple[tuple, dict]:
+        if self.outer is None:
+            if self._root_hooks_run_eagerly_for_frames(compiling):
+                self.eager_frames_root_pre_forward()
+            elif torch.is_grad_enabled():
+                self._stage_accumulated_grads()
+        return self._cast_forward_inputs(args, kwargs)
+
+    def _post_forward_hook_frame(self, module: nn.Module, args: tuple, output: Any) -> Any:
         compiling = torch.compiler.is_compiling()
         if compiling and config.skip_fsdp_hooks:  # FSDPModule.forward runs the hook eagerly
             return output
         if compiling or self.hooks_act_as_traced():
-            if self.outer is None:
-                if self._root_hooks_run_eagerly_for_frames(compiling):
-                    self.eager_frames_root_post_forward()
-                else:
-                    self._release_staged_grads()
-            return self._cast_output(output)
+            return self._post_forward_as_traced(output, compiling)
         return self._post_forward(module, args, output)
+
+    def _post_forward_as_traced(self, output: Any, compiling: bool) -> Any:
+        if self.outer is None:
+            if self._root_hooks_run_eagerly_for_frames(compiling):
+                self.eager_frames_root_post_forward()
+            else:
+                self._release_staged_grads()
+        return self._cast_output(output)
+
+
+# The registered hooks decide per call whether Dynamo compiles their frame: [Note: hook frames under
+# block frames].
+torch._dynamo.eval_frame.skip_code(CompiledFSDPState._pre_forward_hook.__code__)
+torch._dynamo.eval_frame.skip_code(CompiledFSDPState._post_forward_hook.__code__)

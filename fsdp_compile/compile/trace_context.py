@@ -16,6 +16,7 @@ import torch
 __all__ = [
     "mark_fsdp_backend", "traced_for_an_fsdp_backend", "traced_without_graph_breaks", "traced_in_a_callers_higher_order_op",
     "traced_under_compiled_autograd", "traced_in_a_block_call_frame", "is_block_frame_code", "inside_a_compiled_call",
+    "compiled_call_may_break_graphs",
     "MODULE_FILE", "note_block_frame_entered", "block_frame_in_trace",
 ]
 
@@ -148,6 +149,21 @@ def inside_a_compiled_call() -> bool:
     (the eager fallback's hooks, which stand aside when traced, leave that mark on code every model
     shares). The model runs compiled there, even before any of its own graphs said so."""
     return bool(torch._C._dynamo.eval_frame.get_eval_frame_callback())
+
+
+def compiled_call_may_break_graphs(callback: Any) -> bool:
+    """Eagerly: whether Dynamo's frame ``callback`` (``get_eval_frame_callback()`` in the compiled
+    call) may break its graphs (not ``fullgraph=True`` nor ``error_on_graph_break``), where a hook
+    traced as a frame of its own takes the block-frame form ([Note: hook frames under block frames]
+    in compiled_state.py). Where torch keeps the callback in another form, False (the hook's frame
+    is then compiled, as before)."""
+    if not callback or torch._dynamo.utils._get_error_on_graph_break():
+        return False
+    convert = getattr(getattr(callback, "_torchdynamo_orig_backend", None), "_inner_convert", None)
+    if getattr(convert, "_one_graph", True):
+        return False
+    box = getattr(convert, "_box", None)
+    return not getattr(box, "error_on_graph_break", None)
 
 
 # The block whose frame Dynamo traces next (set eagerly as a block frame is entered): a block frame's
