@@ -37,6 +37,24 @@ class TinyLM(nn.Module):
         return self.output(x)
 
 
+class BlocksNet(nn.Module):
+    """Linear blocks between an input layer and a head (one group outside the blocks when the root is
+    sharded, one per block), every block's weight needed in backward (its input carries a gradient),
+    as in a transformer: the compiled-settings tests' model."""
+
+    def __init__(self, n_blocks: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(n_blocks))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x).relu()
+        return self.head(x)
+
+
 class CountingAllGather:
     """An FSDP2 ``AllGather`` doing what the default does (torch.empty, torch.distributed), counting calls."""
 

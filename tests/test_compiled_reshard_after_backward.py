@@ -9,26 +9,10 @@ import torch.distributed as dist
 
 from benchmarks.measure import count_collectives
 from fsdp_compile import fully_shard
+from fsdp_testing import BlocksNet
 
 MICRO_BATCHES = 3
 BLOCKS = 3
-
-
-class _Net(torch.nn.Module):
-    """The root's own input layer and head (one group) around ``BLOCKS`` blocks: a group outside
-    blocks and blocks, both kept gathered; every block's weight is needed in backward."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = torch.nn.Linear(8, 8)
-        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(BLOCKS))
-        self.head = torch.nn.Linear(8, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.embed(x)
-        for block in self.blocks:
-            x = block(x).relu()
-        return self.head(x)
 
 
 def _accumulate(compiled: bool, keep_gathered: bool, reshard_after_forward: bool) -> dict:
@@ -39,7 +23,7 @@ def _accumulate(compiled: bool, keep_gathered: bool, reshard_after_forward: bool
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     torch.manual_seed(0)
-    model = _Net()
+    model = BlocksNet(BLOCKS)  # the root's own input layer and head (one group) around the blocks
     for block in model.blocks:
         fully_shard(block, reshard_after_forward=reshard_after_forward)
     fully_shard(model)

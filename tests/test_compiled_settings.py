@@ -16,7 +16,7 @@ from benchmarks.measure import count_collectives
 import fsdp_compile
 from fsdp_compile import BackwardPrefetch, CommPolicy, CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from fsdp_compile.models import next_token_loss
-from fsdp_testing import UNEVEN, CountingAllGather, CountingReduceScatter, TinyLM, block_compile_mode, global_batches, local_part, shard_model, sharded_copy
+from fsdp_testing import UNEVEN, BlocksNet, CountingAllGather, CountingReduceScatter, TinyLM, block_compile_mode, global_batches, local_part, shard_model, sharded_copy
 
 MICRO_BATCHES = 4
 
@@ -201,21 +201,8 @@ def test_readme_settings_table_has_a_row_for_every_public_setting():
 # unshard/reshard around a step, whose compiled forward gathers its own copy (same losses).
 
 
-class _Net(torch.nn.Module):
-    """Two blocks between the root's input layer and head: three groups on any world size, and every
-    block's weight needed in backward (its input carries a gradient), as in a transformer."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = torch.nn.Linear(8, 8)
-        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
-        self.head = torch.nn.Linear(8, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.embed(x)
-        for block in self.blocks:
-            x = block(x).relu()
-        return self.head(x)
+class _Net(BlocksNet):
+    """Two blocks between the root's input layer and head: three groups on any world size."""
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward(x)
