@@ -151,9 +151,11 @@ def _quiet_stderr_fd() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def quiet_profiler(record_shapes: bool = False) -> Iterator[torch.profiler.profile]:
-    """torch.profiler over the CPU ops run while open, without Kineto's start and stop lines on stderr."""
-    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=record_shapes)
+def quiet_profiler(record_shapes: bool = False, cuda: bool = False) -> Iterator[torch.profiler.profile]:
+    """torch.profiler over the CPU ops (and with ``cuda`` the device's kernels and copies) run while
+    open, without Kineto's start and stop lines on stderr."""
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    profiler = torch.profiler.profile(activities=activities, record_shapes=record_shapes)
     with _quiet_stderr_fd():
         profiler.__enter__()
     try:

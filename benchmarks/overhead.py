@@ -18,7 +18,10 @@ managers are called from the frame evaluator), so the guard figure is the number
 in the guard trees of the entries that ran, once per entry: what a lookup that hits at once checks.
 Entries tried and failed before the hit (another mode's entry of a shared code object, first in
 Dynamo's most-recently-used order) are not counted, and a guard manager may skip a subtree it
-knows unchanged.
+knows unchanged. On CUDA the torch.profiler step also records the device: its wall time against
+the union of the intervals the device ran kernels and copies (a step far longer than that is
+host-bound or waits), the host's waits for the device, and the heaviest kernels; there FSDP2's
+modes are profiled too, so each mode's device time sits beside its counterpart's.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ import pstats
 import random
 import statistics
 import sys
+import time
 import types
 import torch
 
@@ -161,9 +165,44 @@ def _guards_by_compile_id() -> dict[str, int]:
     return guards
 
 
+# CUDA runtime calls after which the host waits for the device.
+_HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+def _device_figures(events: list, step_ms: float, top: int = 5) -> dict:
+    """On CUDA ([Note: profiling a step]): the step's wall time against the time the device was busy
+    (the union of its kernels' and copies' intervals), how often the host waited for the device,
+    and the kernels that took most of the busy time."""
+    on_device = [e for e in events if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0]
+    busy_ns, open_until = 0, -1
+    for start, end in sorted((e.start_ns(), e.start_ns() + e.duration_ns()) for e in on_device):
+        busy_ns += max(0, end - max(start, open_until))
+        open_until = max(open_until, end)
+    by_name: dict[str, list[float]] = {}
+    for event in on_device:
+        figures = by_name.setdefault(event.name(), [0, 0.0])
+        figures[0] += 1
+        figures[1] += event.duration_ns() / 1e6
+    heaviest = sorted(by_name.items(), key=lambda item: item[1][1], reverse=True)[:top]
+    return {
+        "step_ms": step_ms,
+        "busy_ms": busy_ns / 1e6,
+        "launches": len(on_device),
+        "host_waits": sum(e.name() in _HOST_WAITS for e in events),
+        "top": [{"name": name[:90], "calls": calls, "ms": ms} for name, (calls, ms) in heaviest],
+    }
+
+
 def _dispatch_and_dynamo_counts(mode: Mode, tokens: torch.Tensor) -> dict:
-    with quiet_profiler() as profiler:
+    on_cuda = tokens.is_cuda
+    with quiet_profiler(cuda=on_cuda) as profiler:
+        if on_cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
         train_step(mode, tokens)
+        if on_cuda:
+            torch.cuda.synchronize()
+        step_ms = (time.perf_counter() - start) * 1e3
     events = list(profiler.profiler.kineto_results.events())
     aten, aten_top = _aten_counts(events)
     prefix = "Torch-Compiled Region: "
@@ -180,6 +219,7 @@ def _dispatch_and_dynamo_counts(mode: Mode, tokens: torch.Tensor) -> dict:
         "regions_by_compile_id": regions,
         "guards_checked": sum(count * guards.get(cid, 0) for cid, count in regions.items()),
         "guards_unknown_ids": sorted(cid for cid in regions if cid not in guards),
+        **({"device": _device_figures(events, step_ms)} if on_cuda else {}),
     }
 
 
@@ -205,8 +245,16 @@ def _profile_block(name: str, p: dict) -> str:
         f"({len(p['regions_by_compile_id'])} distinct entries); guards in the entered entries' trees: "
         f"{p['guards_checked']}{unknown}; Python calls under cProfile: {p['python_calls']:,} "
         f"({p['profiled_ms']:.0f} ms profiled).", "",
-        "| own ms | cumulative ms | calls | function |", "|---|---|---|---|",
     ]
+    if "device" in p:
+        d = p["device"]
+        kernels = "; ".join(f"`{k['name']}` {k['ms']:.1f} ms ({k['calls']}x)" for k in d["top"])
+        lines += [
+            f"Device (under the profiler): step {d['step_ms']:.1f} ms wall, device busy {d['busy_ms']:.1f} ms "
+            f"({d['launches']} kernels and copies), host waited for the device {d['host_waits']} times; "
+            f"heaviest: {kernels}.", "",
+        ]
+    lines += ["| own ms | cumulative ms | calls | function |", "|---|---|---|---|"]
     for row in p["top"]:
         where = row["where"].replace("|", "/")
         lines.append(f"| {row['own_ms']:.2f} | {row['cumulative_ms']:.2f} | {row['calls']} | `{where}` |")
@@ -218,7 +266,7 @@ def profile_markdown(profiles: dict[str, dict], command: str) -> str:
     if not profiles:
         return ""
     head = (
-        "### Profile of one step of each of ours\n\n"
+        "### Profile of one step of each of ours (on CUDA, of every mode)\n\n"
         f"Command: `{command}`. Top {PROFILE_TOP} functions by own time in one untimed step under cProfile "
         "(which slows Python: compare shares, not milliseconds); counts from one more step under torch.profiler "
         "([Note: profiling a step] in benchmarks/overhead.py): ATen ops are the profiler's `aten::` events "

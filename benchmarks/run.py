@@ -159,7 +159,8 @@ def _run(cfg: BenchConfig, rank: int, world: int, device: torch.device, cache: s
     # Every mode, then with --shallow-layers its twin at that depth ([Note: host time per block] in overhead.py).
     twins = {shallow_name(name, cfg.shallow_layers): name for name in cfg.modes} if cfg.shallow_layers else {}
     keys = [*cfg.modes, *twins]
-    profiled = [name for name in cfg.modes if name.startswith("ours-")] if cfg.profile_step else []
+    # On CUDA FSDP2's modes too: the device figures compare ([Note: profiling a step] in overhead.py).
+    profiled = [name for name in cfg.modes if name.startswith("ours-") or device.type == "cuda"] if cfg.profile_step else []
     progress = Progress(len(keys) * (cfg.total_steps + 1) + len(cfg.modes) + len(profiled), enabled=rank == 0)
     startup = _inductor_startup(device, agree) if COMPILED.intersection(cfg.modes) else None
     for key in keys:

@@ -349,6 +349,75 @@ def test_triton_reduce_scatter_copy_out_equals_reference(interpreted, src, dst, 
             assert_same_bits(a, b, nan_payloads=exact_nans)
 
 
+class RecordingKernel:
+    """Stands in for a Triton kernel: records each launch's dtype codes, then launches it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.codes = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.codes.append((kwargs["SRC"], kwargs["DST"]))
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+# Even shapes (every numel and padded size even): the copies move element pairs as float32 words;
+# one parameter of odd numel (3 x 5: 15 elements, a shard of 5) keeps the whole group on 2-byte words.
+PAIRED_GROUPS = [pytest.param([(6, 4), (4,), (4, 2050)], 0, id="even"), pytest.param([(6, 4), (3, 5)], 1, id="odd")]
+
+
+@pytest.mark.parametrize("shapes, expected_code", PAIRED_GROUPS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_triton_same_dtype_two_byte_copies_move_element_pairs_as_words(interpreted, monkeypatch, shapes, expected_code, dtype):
+    """[Note: 2-byte elements moved in pairs]: a bit copy of bf16 / fp16 runs the float32 kernel
+    (dtype code 0) over words of two elements when every boundary is even, else 2-byte words; both
+    equal the reference bit for bit, NaN payloads included. A copy that divides keeps 2-byte words."""
+    world, rank = 2, 1
+    gen = torch.Generator().manual_seed(7)
+    padded = [padded_numel(shape, world) for shape in shapes]
+    kernels = {}
+    for name in ("all_gather_copy_in", "all_gather_copy_out", "reduce_scatter_copy_in", "reduce_scatter_copy_out"):
+        kernels[name] = RecordingKernel(getattr(interpreted, f"_{name}_kernel"))
+        monkeypatch.setattr(interpreted, f"_{name}_kernel", kernels[name])
+    unsharded = [interesting_values(math.prod(shape), dtype, gen).view(shape) for shape in shapes]
+    shards = [shard(tensor, rank, world) for tensor in unsharded]
+
+    row_ours, row_theirs = poisoned((sum(padded),), dtype), poisoned((sum(padded),), dtype)
+    interpreted.all_gather_copy_in(shards, padded, row_ours)
+    reference.all_gather_copy_in(shards, padded, row_theirs)
+    assert_same_bits(row_ours, row_theirs)
+
+    gathered = interesting_values(world * sum(padded), dtype, gen).view(world, sum(padded))
+    outs_ours, outs_theirs = [poisoned(s, dtype) for s in shapes], [poisoned(s, dtype) for s in shapes]
+    interpreted.all_gather_copy_out(gathered, padded, outs_ours)
+    reference.all_gather_copy_out(gathered, padded, outs_theirs)
+    for ours, theirs in zip(outs_ours, outs_theirs):
+        assert_same_bits(ours, theirs)
+
+    for pre_divide in (1.0, 2.0):
+        buffer_ours, buffer_theirs = poisoned((world, sum(padded)), dtype), poisoned((world, sum(padded)), dtype)
+        interpreted.reduce_scatter_copy_in(unsharded, padded, buffer_ours, pre_divide)
+        reference.reduce_scatter_copy_in(unsharded, padded, buffer_theirs, pre_divide)
+        assert_same_bits(buffer_ours, buffer_theirs, nan_payloads=pre_divide == 1.0)
+
+    reduced = interesting_values(sum(padded), dtype, gen)
+    grads_ours = [poisoned(s.shape, dtype) for s in shards]
+    grads_theirs = [g.clone() for g in grads_ours]
+    interpreted.reduce_scatter_copy_out(reduced, padded, grads_ours, 1.0, False)
+    reference.reduce_scatter_copy_out(reduced, padded, grads_theirs, 1.0, False)
+    for ours, theirs in zip(grads_ours, grads_theirs):
+        assert_same_bits(ours, theirs)
+
+    code = 2 if dtype == torch.float16 else 1
+    expected = (expected_code, expected_code) if expected_code == 0 else (code, code)
+    assert kernels["all_gather_copy_in"].codes == [expected]
+    assert kernels["all_gather_copy_out"].codes == [expected]
+    assert kernels["reduce_scatter_copy_in"].codes == [expected, (code, code)]  # a divide needs the elements
+    assert kernels["reduce_scatter_copy_out"].codes == [expected]
+
+
 def test_triton_divides_by_negative_factor_like_reference(interpreted):
     """Padding is divided too: 0 / -2 is -0.0 in the reference, so the kernel must not skip it."""
     grads = [torch.randn(5), torch.randn(1, 3)]

@@ -247,10 +247,12 @@ def all_gather_copy_in(shards: list[torch.Tensor], padded_numels: list[int], out
     src = _common_dtype(op, "shards", shards)
     dst = _common_dtype(op, "out", [out])
     _check_launchable(op, out.device)
+    per_word = _elements_per_word(src, dst, shards, padded_numels, out)
+    src, dst, padded_numels = _as_words(src, dst, padded_numels, per_word)
     num_blocks = [triton.cdiv(padded, BLOCK_SIZE) for padded in padded_numels]
     if sum(num_blocks) == 0:
         return
-    metadata = _metadata(shards, padded_numels, num_blocks, out.device)
+    metadata = _metadata(shards, padded_numels, num_blocks, out.device, per_word)
     _all_gather_copy_in_kernel[(sum(num_blocks),)](
         metadata,
         len(shards),
@@ -314,15 +316,17 @@ def all_gather_copy_out(gathered: torch.Tensor, padded_numels: list[int], outs: 
     dst = _common_dtype(op, "outs", outs)
     _check_launchable(op, gathered.device)
     world, total = gathered.shape
+    per_word = _elements_per_word(src, dst, outs, padded_numels, gathered)
+    src, dst, padded_numels = _as_words(src, dst, padded_numels, per_word)
     num_blocks = [triton.cdiv(padded, BLOCK_SIZE) for padded in padded_numels]
     if sum(num_blocks) == 0 or world == 0:
         return
-    metadata = _metadata(outs, padded_numels, num_blocks, gathered.device)
+    metadata = _metadata(outs, padded_numels, num_blocks, gathered.device, per_word)
     _all_gather_copy_out_kernel[(sum(num_blocks), world)](
         metadata,
         len(outs),
         gathered.view(_WORD_DTYPE[src]),
-        total,
+        total // per_word,
         SRC=_DTYPE_CODES[src],
         DST=_DTYPE_CODES[dst],
         BLOCK=BLOCK_SIZE,
@@ -391,16 +395,18 @@ def reduce_scatter_copy_in(
     dst = _common_dtype(op, "out", [out])
     _check_launchable(op, out.device)
     world, total = out.shape
+    per_word = _elements_per_word(src, dst, grads, padded_numels, out) if pre_divide == 1.0 else 1
+    src, dst, padded_numels = _as_words(src, dst, padded_numels, per_word)
     num_blocks = [triton.cdiv(padded, BLOCK_SIZE) for padded in padded_numels]
     if sum(num_blocks) == 0 or world == 0:
         return
-    metadata = _metadata(grads, padded_numels, num_blocks, out.device)
+    metadata = _metadata(grads, padded_numels, num_blocks, out.device, per_word)
     divisor, reciprocal = _divisor_and_reciprocal(pre_divide)
     _reduce_scatter_copy_in_kernel[(sum(num_blocks), world)](
         metadata,
         len(grads),
         out.view(_WORD_DTYPE[dst]),
-        total,
+        total // per_word,
         divisor,
         reciprocal,
         SRC=_DTYPE_CODES[src],
@@ -478,10 +484,13 @@ def reduce_scatter_copy_out(
     src = _common_dtype(op, "reduced", [reduced])
     dst = _common_dtype(op, "outs", outs)
     _check_launchable(op, reduced.device)
-    num_blocks = [triton.cdiv(out.numel(), BLOCK_SIZE) for out in outs]
+    plain_copy = post_divide == 1.0 and not accumulate
+    per_word = _elements_per_word(src, dst, outs, padded_numels, reduced) if plain_copy else 1
+    src, dst, padded_numels = _as_words(src, dst, padded_numels, per_word)
+    num_blocks = [triton.cdiv(out.numel() // per_word, BLOCK_SIZE) for out in outs]
     if sum(num_blocks) == 0:
         return
-    metadata = _metadata(outs, padded_numels, num_blocks, reduced.device)
+    metadata = _metadata(outs, padded_numels, num_blocks, reduced.device, per_word)
     divisor, reciprocal = _divisor_and_reciprocal(post_divide)
     _reduce_scatter_copy_out_kernel[(sum(num_blocks),)](
         metadata,
@@ -539,9 +548,16 @@ def _check_launchable(op: str, device: torch.device) -> None:
 
 
 def _metadata(
-    tensors: list[torch.Tensor], padded_numels: list[int], num_blocks: list[int], device: torch.device
+    tensors: list[torch.Tensor],
+    padded_numels: list[int],
+    num_blocks: list[int],
+    device: torch.device,
+    per_word: int = 1,
 ) -> torch.Tensor:
     """``[addresses | numels | padded | offsets | block_starts]`` as one int64 tensor on ``device``.
+
+    Sizes count kernel words of ``per_word`` elements (see [Note: 2-byte elements moved in pairs]):
+    ``padded_numels`` already does, the tensors' numels are divided here.
 
     On CUDA the tensor is shared by every call with the same values and must not be written
     (see [Note: launch metadata kept on the device]); elsewhere it is the caller's own.
@@ -554,7 +570,7 @@ def _metadata(
     block_starts.append(running)
     values = (
         *[tensor.data_ptr() for tensor in tensors],
-        *[tensor.numel() for tensor in tensors],
+        *[tensor.numel() // per_word for tensor in tensors],
         *padded_numels,
         *offsets,
         *block_starts,
@@ -562,6 +578,37 @@ def _metadata(
     if device.type != "cuda":
         return torch.tensor(values, dtype=torch.int64, device=device)
     return _metadata_on_device(values, device)
+
+
+# [Note: 2-byte elements moved in pairs]
+# A kernel thread moves one word per element, so a bf16 / fp16 copy issues 2-byte loads and
+# stores: on the H200 the bf16 all-gather copy-out reached 52-60% of the device's copy
+# bandwidth where the fp32 one reached 79-90% (benchmarks/RESULTS.md, GPU check b2). When the
+# copy changes no bit (same dtype, no divide, no accumulate) and every boundary the kernel masks
+# at falls on an even element (numels, padded sizes, hence offsets and the row length) at a
+# 4-byte-aligned address, two elements are one 4-byte word: the launch runs the float32 kernel
+# (a raw bit copy, SRC == DST) over half as many words. Anything else keeps 2-byte words.
+def _elements_per_word(
+    src: torch.dtype | None, dst: torch.dtype | None, tensors: list[torch.Tensor], padded_numels: list[int],
+    buffer: torch.Tensor,
+) -> int:
+    """2 if this copy can move its 2-byte elements in pairs (the note above), else 1."""
+    if src is not dst or src not in (torch.bfloat16, torch.float16) or buffer.data_ptr() % 4:
+        return 1
+    if any(padded % 2 for padded in padded_numels):
+        return 1
+    if any(tensor.numel() % 2 or tensor.data_ptr() % 4 for tensor in tensors):
+        return 1
+    return 2
+
+
+def _as_words(
+    src: torch.dtype | None, dst: torch.dtype | None, padded_numels: list[int], per_word: int
+) -> tuple[torch.dtype | None, torch.dtype | None, list[int]]:
+    """The launch's dtypes and padded sizes in kernel words of ``per_word`` elements."""
+    if per_word == 1:
+        return src, dst, padded_numels
+    return torch.float32, torch.float32, [padded // per_word for padded in padded_numels]
 
 
 # [Note: launch metadata kept on the device]
