@@ -173,7 +173,12 @@ def _device_figures(events: list, step_ms: float, top: int = 5) -> dict:
     """On CUDA ([Note: profiling a step]): the step's wall time against the time the device was busy
     (the union of its kernels' and copies' intervals), how often the host waited for the device,
     and the kernels that took most of the busy time."""
-    on_device = [e for e in events if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0]
+    # Without the user annotations' device spans (the optimizer step's, FSDP2's hooks'): they cover
+    # kernels and idle time alike, and the third H200 run counted them as busy.
+    on_device = [
+        e for e in events
+        if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0 and not e.is_user_annotation()
+    ]
     busy_ns, open_until = 0, -1
     for start, end in sorted((e.start_ns(), e.start_ns() + e.duration_ns()) for e in on_device):
         busy_ns += max(0, end - max(start, open_until))

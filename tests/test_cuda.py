@@ -35,6 +35,7 @@ import fsdp_compile
 import fsdp_compile.runtime.comm_context as comm_context
 from conftest import REPO_DIR, TESTS_DIR, free_port
 from fsdp_compile.runtime.device import DeviceHandle
+from fsdp_compile.runtime.param_group import FSDPParamGroup
 from fsdp_compile.models import Transformer, TransformerConfig, next_token_loss
 from fsdp_testing import block_compile_mode, build_reference, global_batches, shard_model
 
@@ -248,7 +249,12 @@ class LoggingHandle(DeviceHandle):
 
 def test_stream_protocol_orders_copy_in_all_gather_and_compute_on_real_streams(cuda, monkeypatch):
     """test_stream_protocol.py's orderings (there on a recording stand-in at world size 2), here on
-    the CUDA streams and events the runtime really makes."""
+    the CUDA streams and events the runtime really makes.
+
+    At world size 1 the runtime copies shards and writes gradients without the flat buffers, and so
+    without the side streams ([Note: an unshard over a shard group of one rank], [Note: a reduction
+    over a shard group of one rank]); both shortcuts are turned off here, so one GPU runs the
+    streams and events of a larger world (the third H200 run found no reduce-scatter stream)."""
     log: list[tuple[str, ...]] = []
     handles: list[LoggingHandle] = []
 
@@ -257,6 +263,8 @@ def test_stream_protocol_orders_copy_in_all_gather_and_compute_on_real_streams(c
         return handles[-1]
 
     monkeypatch.setattr(comm_context, "make_device_handle", make)
+    monkeypatch.setattr(FSDPParamGroup, "_copies_at_one_rank", lambda group: False)
+    monkeypatch.setattr(FSDPParamGroup, "_reduces_on_one_rank", lambda group: False)
     model = shard_model(build_reference().to(cuda), fsdp_compile.fully_shard)
     per_step = []
     for batch in global_batches(2, 2, 1):
