@@ -627,6 +627,55 @@ def test_two_compiled_models_trained_interleaved_each_train_as_alone(dist):
     assert result["alone"][8] != result["alone"][12], result  # two models, not one twice
 
 
+def _models_past_the_recompile_limit():
+    """A model compiled whole with blocks as frames, then two with regions, in one process with
+    Dynamo's recompile_limit at 2, each trained two steps as its eager twin: FSDPModule.forward is
+    every root's code (and the first model's blocks'), and what earlier models compiled of it must
+    not use up a later model's limit ([Note: a recompile limit per block structure] in
+    compile/torch_patches.py; the regions root ran eagerly with its parameters still sharded:
+    "mixed torch.Tensor and DTensor")."""
+    import warnings
+
+    from fsdp_testing import TinyLM, block_compile_mode
+
+    def losses(dim: int, compiled: bool) -> list[float]:
+        torch.manual_seed(dim)
+        model = shard_model(TinyLM(dim=dim, n_layers=2), fully_shard)
+        runner = torch.compile(model, backend="fsdp_aot_eager") if compiled else model
+        out = []
+        for step in range(2):
+            tokens = torch.randint(0, 37, (2, 6), generator=torch.Generator().manual_seed(step + dist.get_rank()))
+            loss = runner(tokens).float().pow(2).mean()
+            loss.backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.1 * p.grad
+                    p.grad = None
+            out.append(loss.item())
+        return out
+
+    torch._dynamo.reset()
+    result: dict = {"eager": {}, "compiled": {}, "raised": {}}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for dim, mode in ((8, "frames"), (12, "regions"), (16, "regions")):
+            with block_compile_mode(mode, recompile_limit=2):
+                result["eager"][dim] = losses(dim, compiled=False)
+                try:
+                    result["compiled"][dim] = losses(dim, compiled=True)
+                except RuntimeError as error:
+                    result["raised"][dim] = str(error)[:200]
+    result["ran_eagerly"] = [str(w.message)[:200] for w in caught if "ran eagerly" in str(w.message)]
+    torch._dynamo.reset()
+    return result
+
+
+def test_each_model_compiled_in_a_process_has_its_own_recompile_limit(dist):
+    result = dist.run(2, _models_past_the_recompile_limit)[0]
+    assert result["raised"] == {} and result["ran_eagerly"] == [], result
+    assert result["compiled"] == result["eager"], result
+
+
 # --- compiled twins of more training patterns (project issue 48) -----------------------------------
 # Each loop below trains one model eagerly and one with the root compiled by fsdp_aot_eager, through
 # the same steps: the compiled parameters equal eager's bitwise (fp32), the compiled steps issue the

@@ -73,7 +73,12 @@ def _has(module_name: str, *path: str) -> Callable[[], bool]:
 # before and misses again (a new shape, a train/eval switch) counts as a recompile, as for any code.
 # recompile_limit = 1 still runs a block eagerly at its first recompile; accumulated_recompile_limit
 # still caps the total. The same holds for blocks compiled alone (block.compile(), torchtitan's
-# per-block recipe), whose frames are all FSDPModule.forward's code.
+# per-block recipe), whose frames are all FSDPModule.forward's code, and for the roots of models
+# compiled whole, whose forward is that code too: each root is a structure of its own, so every
+# model compiled in the process has the limit for its root. Counted together, the roots of the
+# models before it (and their blocks' entries) used up the limit, and a later model's root ran
+# eagerly; under regions, whose hooks had stood aside for a trace that never came, with its
+# parameters still sharded (the H200 benchmark's fourteenth model: "mixed torch.Tensor and DTensor").
 class _RecompileBudgets:
     """Dynamo's compiled code objects of module.py and the block structures seen per code object, for
     the life of the process (Dynamo's own cache of those code objects lives as long;
@@ -104,7 +109,7 @@ def _recompile_limit_per_block_structure() -> None:
         if code.co_filename != MODULE_FILE:
             return compile_frame(code, *args, **kwargs)
         _budgets.fsdp_frame_codes[code] = None  # for fsdp_frames_recompile_limit_reached
-        block = _block_whose_frame_is_compiled(code, args[1] if len(args) > 1 and isinstance(args[1], dict) else {})
+        block = _module_whose_frame_is_compiled(code, args[1] if len(args) > 1 and isinstance(args[1], dict) else {})
         if block is None:
             return compile_frame(code, *args, **kwargs)
         if not _cache_entries_of(code):  # the first compile, or the first since torch._dynamo.reset()
@@ -122,15 +127,16 @@ def _recompile_limit_per_block_structure() -> None:
     convert_frame._compile = compile_with_a_limit_per_block_structure
 
 
-def _block_whose_frame_is_compiled(code: Any, frame_locals: dict[str, Any]) -> Any:
-    """The FSDP state of the block whose frame Dynamo is about to compile, or None: a block frame
-    (the resume function of its forward's graph break, entered by that block) or the forward of a
-    block compiled alone (block.compile(), torchtitan's per-block recipe)."""
+def _module_whose_frame_is_compiled(code: Any, frame_locals: dict[str, Any]) -> Any:
+    """The FSDP state of the module whose frame Dynamo is about to compile, where it counts as a
+    structure ([Note: a recompile limit per block structure]), or None: a block frame (the resume
+    function of its forward's graph break, entered by that block), the forward of a block compiled
+    alone (block.compile(), torchtitan's per-block recipe), or a root's forward."""
     if is_block_frame_code(code):
         return block_frame_in_trace()
     module = frame_locals.get("self")
     state = state_of(module) if code.co_name == "forward" and isinstance(module, torch.nn.Module) else None
-    return state if state is not None and state.per_block_compiled else None
+    return state if state is not None and (state.per_block_compiled or state.outer is None) else None
 
 
 def fsdp_frames_recompile_limit_reached() -> str | None:
