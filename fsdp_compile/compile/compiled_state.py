@@ -236,7 +236,7 @@ class CompiledFSDPState(BlockFrameFSDPState, FSDPState):
                 trace_annotation(group_name, fsdp_param.fqn, reshards, token, keeps_gathered), fsdp_param.accumulation_sink,
                 group.requires_gradient_sync, accumulated, deferred,
                 fsdp_param.deferred_all_reduce_sink if sinks_deferred else None, quantize, fsdp_param.tensor_parallel,
-                fsdp_param.gradient_handover_sink if late else None,
+                fsdp_param.gradient_handover_sink if late else None, fsdp_param.device if fsdp_param.offload_to_cpu else None,
             ))
         return unsharded
 
