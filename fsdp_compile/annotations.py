@@ -30,7 +30,8 @@ STATE_KEY = "fsdp_state"
 BLOCK_FRAME_TOKEN = -1
 # Present (True) on the reads of a group outside blocks compiled as frames whose all-gather goes through
 # the runtime, which may serve it from, or keep, the parameters gathered across a backward
-# (set_reshard_after_backward(False): [Note: keeping parameters gathered across a backward] in kept_gathers.py).
+# (set_reshard_after_backward(False): [Note: keeping parameters gathered across a backward] in kept_gathers.py),
+# or copies its CPU-offloaded shards to the device ([Note: offloaded shards under whole-model compile] in param_reads.py).
 KEEPS_GATHERED_KEY = "fsdp_keeps_gathered"
 
 # Per bucket (passes/bucket.py), beside the keys above.

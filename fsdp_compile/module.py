@@ -204,9 +204,10 @@ class FSDPModule:
         return None
 
     def reshard(self) -> None:
-        """Free this module's unsharded parameters and register the sharded ones."""
+        """Free this module's unsharded parameters (and a gather kept for its next forward) and register the sharded ones."""
         for group in self._groups(recurse=False):
             group.reshard()
+        self._fsdp_state().let_go_of_kept_gather()
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """On the root: whether this backward should wait for its gradient reductions at its end.

@@ -32,7 +32,7 @@ __all__ = [
     "FSDP_ANNOTATION_KEY", "GROUP_KEY", "PARAM_KEY", "RESHARD_AFTER_FORWARD_KEY", "STATE_KEY", "BUCKET_KEY", "GROUPS_KEY", "PARAMS_KEY",
     "BLOCK_FRAME_TOKEN", "KEEPS_GATHERED_KEY",
     "ALL_GATHER", "REDUCE_SCATTER", "ALL_REDUCE", "WAIT", "COLLECTIVES", "GRADIENT_REDUCTIONS", "COLLECTIVE_NAMES", "FORCE_STRIDE", "COPY_IN", "COPY_OUT",
-    "collective_nodes", "single_wait", "one_wait_per_collective", "is_cast", "new_node", "node_value", "erase_unused_chain", "FRAME_GATHER", "DELIVER_GRADIENT", "DELIVER_REDUCE_SCATTER_LATE", "fsdp_annotation", "is_tangent", "graph_kind", "is_view", "is_copy",
+    "collective_nodes", "single_wait", "one_wait_per_collective", "is_cast", "host_source", "new_node", "node_value", "erase_unused_chain", "FRAME_GATHER", "DELIVER_GRADIENT", "DELIVER_REDUCE_SCATTER_LATE", "fsdp_annotation", "is_tangent", "graph_kind", "is_view", "is_copy",
     "tensor_bytes", "collective_bytes", "inflight_collectives", "inflight_bytes", "max_inflight_bytes",
     "pass_counters", "give_up",
 ]
@@ -193,6 +193,23 @@ def is_cast(node: fx.Node) -> bool:
         and kwargs.get("layout", source.layout) == source.layout
         and kwargs.get("memory_format") in (None, torch.preserve_format)
     )
+
+
+def host_source(node: fx.Node) -> fx.Node | None:
+    """What ``node`` copies from another device, the copy alone (``prims.device_put``, or an
+    ``aten._to_copy`` that keeps the dtype; either under a cast to the same dtype), or None: a
+    CPU-offloaded shard read on the device ([Note: offloaded shards under whole-model compile] in
+    fsdp_compile/compile/param_reads.py)."""
+    value, source = node_value(node), node_value(node.args[0]) if node.args else None
+    if is_cast(node) and isinstance(value, torch.Tensor) and isinstance(source, torch.Tensor) and source.dtype == value.dtype:
+        node = node.args[0]
+    if node.op != "call_function" or node.target not in (torch.ops.prims.device_put.default, _aten._to_copy.default):
+        return None
+    source, copied = node_value(node.args[0]), node_value(node)
+    if node.target is _aten._to_copy.default and (len(node.args) != 1 or not set(node.kwargs) <= _CAST_KWARGS):
+        return None
+    moved = isinstance(source, torch.Tensor) and isinstance(copied, torch.Tensor) and source.device != copied.device
+    return node.args[0] if moved and source.dtype == copied.dtype else None
 
 
 def is_view(node: fx.Node) -> bool:

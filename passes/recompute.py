@@ -26,7 +26,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from fsdp_compile.passes.graph import (
     ALL_GATHER, BLOCK_FRAME_TOKEN, COPY_IN, DELIVER_GRADIENT, DELIVER_REDUCE_SCATTER_LATE, FRAME_GATHER, KEEPS_GATHERED_KEY,
     REDUCE_SCATTER, RESHARD_AFTER_FORWARD_KEY, STATE_KEY,
-    erase_unused_chain, fsdp_annotation, give_up, is_cast, is_tangent, is_view, new_node, node_value,
+    erase_unused_chain, fsdp_annotation, give_up, host_source, is_cast, is_tangent, is_view, new_node, node_value,
     single_wait,
 )
 
@@ -113,7 +113,8 @@ def gather_frames_through_prefetch(graph: fx.Graph, backward: bool) -> int:
     """See [Note: prefetch across block frames] in fsdp_compile/compile/frames.py and [Note: backward prefetch across block frames] in
     compile/frames.py: in a block frame's forward or backward graph (post-grad, bucketed and
     reordered), the group's copy-in and all-gather become one ``fsdp_compile::frame_all_gather`` call
-    on the same shards, in the same place; the wait stays where the reorder pass put it::
+    on the same shards (a CPU-offloaded shard's host tensor, not its copy on the device), in the same
+    place; the wait stays where the reorder pass put it::
 
         before:  shards -> copy_in -> all_gather -> ... wait -> copy_out
         after:   shards -> frame_all_gather -> ... wait -> copy_out
@@ -133,19 +134,25 @@ def gather_frames_through_prefetch(graph: fx.Graph, backward: bool) -> int:
         sent, shard_size, group_name = gather.args
         if sent.target is COPY_IN:
             shards, padded_numels, dtype = sent.args
+            copies = shards  # erased below once unused; a lone shard's copy goes with the chain of ``sent``
         elif sent.target in (torch.ops.aten.reshape.default, torch.ops.aten.view.default) and list(sent.args[1]) == [-1]:
             value = node_value(sent)
             shard = unpadded_shard(sent.args[0], value.numel())
             if shard is None:
                 continue
-            shards, padded_numels, dtype = [shard], [value.numel()], value.dtype
+            shards, padded_numels, dtype, copies = [shard], [value.numel()], value.dtype, []
         else:
             continue
+        # A CPU-offloaded shard's copy to the device is the runtime's: [Note: offloaded shards under whole-model compile].
+        shards = [host_source(shard) or shard for shard in shards]
         with graph.inserting_before(gather):
-            issued = new_node(graph, FRAME_GATHER, (shards, padded_numels, dtype, shard_size, group_name, backward), annotation)
+            arguments = (shards, padded_numels, dtype, shard_size, group_name, backward, node_value(sent).device)
+            issued = new_node(graph, FRAME_GATHER, arguments, annotation)
         gather.replace_all_uses_with(issued)
         graph.erase_node(gather)
         erase_unused_chain(graph, sent)  # the copy-in (or the pad and cast) the call does now
+        for copy in copies:
+            erase_unused_chain(graph, copy)
         rewritten += 1
     return rewritten
 

@@ -135,8 +135,8 @@ def _refused(setting: str) -> str:
         model.set_separate_reduce_scatter_group()
     compiled = torch.compile(model, backend="fsdp_aot_eager")
     inputs = torch.randn(4, 8)
-    # Blocks as one graph (regions) for set_reshard_after_backward(False): blocks as frames honour it.
-    with block_compile_mode("regions" if setting == "reshard_after_backward" else fsdp_compile.config.block_compile):
+    # Blocks as one graph (regions) for set_reshard_after_backward(False) and CPUOffloadPolicy: blocks as frames honour them.
+    with block_compile_mode("regions" if setting in ("reshard_after_backward", "offload") else fsdp_compile.config.block_compile):
         try:
             if setting in _SET_AFTER_A_STEP:
                 # Set after a first compiled step: the change recompiles, and the new graph is refused.
@@ -257,7 +257,8 @@ _SETTING_CASES: dict[str, dict] = {
     "reshard_after_forward": dict(build=lambda: _shard_net({"reshard_after_forward": False})),
     "shard_placement_fn": dict(build=lambda: _shard_net({"shard_placement_fn": _shard_dim1})),
     "mp_policy": dict(build=lambda: _shard_net({"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)}), tolerance=1e-2),
-    "offload_policy": dict(build=lambda: _shard_net({"offload_policy": CPUOffloadPolicy(pin_memory=False)}), verdict="refused", named="CPUOffloadPolicy"),
+    # Honoured by blocks compiled as frames (the default); refused as regions (the test above; test_compiled_cpu_offload.py).
+    "offload_policy": dict(build=lambda: _shard_net({"offload_policy": CPUOffloadPolicy(pin_memory=False)})),
     "ignored_params": dict(build=lambda: _shard_net_ignoring_a_bias()),
     "comm_policy": dict(build=lambda: _shard_net({"comm_policy": CommPolicy(reduce_wire_dtype=torch.bfloat16)})),
     # Its way out is another mesh layout (its own test in test_tensor_parallel.py), not per-block compile.

@@ -9,7 +9,8 @@
   fails on any kernel reading or writing a tensor another stream may still be using.
 * The Triton kernels (compiled, not interpreted) against their references run on the same CUDA
   tensors, bit for bit, small groups and one large one.
-* CPU offload: pinned host shards and gradients, training as without offload.
+* CPU offload: pinned host shards and gradients, training as without offload; compiled (blocks as
+  frames) training as the eager runtime with the same offload.
 
 Without CUDA every test here is skipped at collection (no tensor is made). On a GPU machine,
 ``python -m benchmarks.gpu`` runs this file first (docs/gpu.md). World size 1 is what one GPU
@@ -313,6 +314,36 @@ def test_cpu_offload_keeps_pinned_shards_and_gradients_on_the_host_and_trains_li
     # At world size 1 a shard is the whole parameter (no all-gather of a host tensor over NCCL needed).
     gap = max((_local(a).cpu() - _local(b).cpu()).abs().max().item() for a, b in zip(offloaded.parameters(), plain.parameters()))
     assert gap <= 1e-5, f"parameters differ by {gap}"
+    assert all(_local(p).device.type == "cpu" and _local(p).is_pinned() for p in offloaded.parameters()), "after the steps too"
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_compiled_cpu_offload_keeps_shards_and_gradients_on_the_host_and_trains_like_eager_offload(cuda, bf16):
+    """The whole model compiled (fsdp_inductor, blocks as frames) with ``CPUOffloadPolicy()``: the traced
+    reads copy the pinned host shards to the GPU and the gradients come back to host memory ([Note:
+    offloaded shards under whole-model compile] in compile/param_reads.py); it trains as the eager
+    runtime with the same offload. (World size 1: no all-gather, so no frame op; the copies are the graph's.)"""
+    torch.manual_seed(0)
+    reference = Transformer(CONFIG).to(cuda)
+    batches = _batches(cuda)
+    kwargs: dict = {"offload_policy": fsdp_compile.CPUOffloadPolicy()}
+    if bf16:
+        kwargs["mp_policy"] = fsdp_compile.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    eager = shard_model(copy.deepcopy(reference), fsdp_compile.fully_shard, **kwargs)
+    torch._dynamo.reset()
+    offloaded = shard_model(copy.deepcopy(reference), fsdp_compile.fully_shard, **kwargs)
+    runner = torch.compile(offloaded, backend="fsdp_inductor")
+    tokens = batches[0]
+    next_token_loss(runner(tokens), tokens).backward()
+    assert all(p.grad is not None and _local(p.grad).device.type == "cpu" for p in offloaded.parameters())
+    offloaded.zero_grad(set_to_none=True)
+    eager_losses, losses = _train(eager, eager, batches), _train(offloaded, runner, batches)
+    loss_rtol, param_atol = TOLERANCES[("compiled", bf16)]
+    for step, (a, b) in enumerate(zip(losses, eager_losses)):
+        assert abs(a - b) <= loss_rtol * abs(b), f"step {step}: compiled {losses} vs eager {eager_losses}"
+    gap = max((_local(a) - _local(b)).abs().max().item() for a, b in zip(offloaded.parameters(), eager.parameters()))
+    moved = max((_local(a).cpu() - b.detach().cpu()).abs().max().item() for a, b in zip(eager.parameters(), reference.parameters()))
+    assert gap <= param_atol < moved / 10, f"parameters differ from eager offload's by {gap} (training moved them by {moved})"
     assert all(_local(p).device.type == "cpu" and _local(p).is_pinned() for p in offloaded.parameters()), "after the steps too"
 
 

@@ -170,6 +170,14 @@ class CompiledFSDPState(BlockFrameFSDPState, FSDPState):
                 handoff[member.fqn] = unsharded
         return handoff[fsdp_param.fqn]
 
+    def let_go_of_kept_gather(self) -> None:
+        """``FSDPModule.reshard()``: what the runtime kept of this group's all-gather for the next forward
+        is freed, as eagerly the unsharded parameters are ([Note: keeping parameters gathered across a
+        backward] in kept_gathers.py); the next forward gathers again."""
+        block = self.outermost().root_frames.blocks.get(self)
+        if block is not None:
+            block.kept.let_go()
+
     def runs_eagerly_inside_compiled_model(self) -> bool:
         """Whether this module's forward runs eagerly while its FSDP hooks were traced into a
         compiled caller's graph, where they stand aside (see [Note: frames Dynamo runs eagerly] in
@@ -236,7 +244,7 @@ class CompiledFSDPState(BlockFrameFSDPState, FSDPState):
                 trace_annotation(group_name, fsdp_param.fqn, reshards, token, keeps_gathered), fsdp_param.accumulation_sink,
                 group.requires_gradient_sync, accumulated, deferred,
                 fsdp_param.deferred_all_reduce_sink if sinks_deferred else None, quantize, fsdp_param.tensor_parallel,
-                fsdp_param.gradient_handover_sink if late else None,
+                fsdp_param.gradient_handover_sink if late else None, fsdp_param.device if fsdp_param.offload_to_cpu else None,
             ))
         return unsharded
 

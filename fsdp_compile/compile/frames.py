@@ -212,7 +212,7 @@ class FramePrefetch:
         layout = self.learned if layout is None else layout
         indices, padded_numels, param_dtype, shard_size, shard_group_name = layout
         shards = [group.fsdp_params[index].local_shard() for index in indices]
-        self.in_flight = _issue_frame_all_gather(shards, padded_numels, param_dtype, shard_size, shard_group_name)
+        self.in_flight = _issue_frame_all_gather(shards, padded_numels, param_dtype, shard_size, shard_group_name, group.device)
         self._issued_from = (layout, addresses_and_versions(shards))
 
     def is_whole_group_of(self, group: "FSDPParamGroup") -> bool:
@@ -236,13 +236,13 @@ class FramePrefetch:
 
 
 def _issue_frame_all_gather(
-    shards: list[torch.Tensor], padded_numels: list[int], param_dtype: torch.dtype, shard_size: int, shard_group_name: str,
+    shards: list[torch.Tensor], padded_numels: list[int], param_dtype: torch.dtype, shard_size: int, shard_group_name: str, device: torch.device,
 ) -> torch.Tensor:
-    """A block frame's group all-gather as ``frame_all_gather`` issues it (one flat buffer, the eager
-    runtime's fused copy-in), returned in flight; the graph that reads it waits on it. See [Note:
-    prefetch across block frames] in frames.py."""
+    """A block frame's group all-gather on ``device`` as ``frame_all_gather`` issues it (one flat buffer, the
+    eager runtime's fused copy-in), in flight for the graph that waits on it ([Note: prefetch across block
+    frames]; host shards: [Note: offloaded shards under whole-model compile] in param_reads.py)."""
     with torch.no_grad():
-        flat = torch.ops.fsdp_compile.all_gather_copy_in_functional(shards, padded_numels, param_dtype)
+        flat = torch.ops.fsdp_compile.all_gather_copy_in_functional([s.to(device, non_blocking=True) for s in shards], padded_numels, param_dtype)
         return _functional.all_gather_into_tensor(flat, shard_size, shard_group_name)
 
 
@@ -286,7 +286,7 @@ class BlockFrame:
         shards = [group.fsdp_params[index].local_shard() for index in indices]
         in_flight = self.gathers[True].take(shards, whole)
         if in_flight is None:
-            in_flight = _issue_frame_all_gather(shards, padded_numels, param_dtype, shard_size, shard_group_name)
+            in_flight = _issue_frame_all_gather(shards, padded_numels, param_dtype, shard_size, shard_group_name, group.device)
         return columns_for_graph(self.kept.keep(in_flight, whole, shards), whole, layout)
 
     def gather_next_ahead(self, backward: bool) -> None:
@@ -413,7 +413,7 @@ _FRAME_ROOTS = _FrameRoots()
 
 def _gather_in_frame(
     shards: list[torch.Tensor], padded_numels: list[int], param_dtype: torch.dtype, shard_size: int, shard_group_name: str,
-    backward: bool,
+    backward: bool, device: torch.device,
 ) -> torch.Tensor:
     """``fsdp_compile::frame_all_gather`` run in a block frame's forward or backward graph: the group's
     all-gather in flight (issued ahead by the block that ran before it, or issued now), after issuing
@@ -421,7 +421,7 @@ def _gather_in_frame(
     [Note: prefetch across block frames] in frames.py."""
     block, indices = _frame_block_of(shards, backward)
     if block is None:
-        return _issue_frame_all_gather(shards, padded_numels, param_dtype, shard_size, shard_group_name)
+        return _issue_frame_all_gather(shards, padded_numels, param_dtype, shard_size, shard_group_name, device)
     gather = block.gathers[backward]
     layout = gather.learned = (indices, list(padded_numels), param_dtype, shard_size, shard_group_name)
     gather.pending = False
@@ -437,7 +437,7 @@ def _gather_in_frame(
         else:
             in_flight = gather.take(shards)
             if in_flight is None:
-                in_flight = _issue_frame_all_gather(shards, padded_numels, param_dtype, shard_size, shard_group_name)
+                in_flight = _issue_frame_all_gather(shards, padded_numels, param_dtype, shard_size, shard_group_name, device)
             if not backward and kept.keeps_from_forward():
                 in_flight = kept.keep(in_flight, layout, shards).clone()
     block.gather_next_ahead(backward)
@@ -688,10 +688,10 @@ class BlockFrameFSDPState:
                 state._register_for_frame_gathers(self.root_frames, self.root_frames.block(state))
 
     def keeps_gathered_across_frames(self) -> bool:
-        """Whether this group outside blocks gathers through the runtime, which keeps it gathered
-        across a backward or holds a kept gather for it: its reads are traced with
-        KEEPS_GATHERED_KEY ([Note: keeping parameters gathered across a backward] in kept_gathers.py)."""
-        return self._is_outside_blocks() and (not self.group.reshard_after_backward or self.serves_kept_gather)
+        """Whether this group outside blocks gathers through the runtime, which keeps it gathered across a backward,
+        holds a kept gather for it or copies its CPU-offloaded shards: its reads are traced with KEEPS_GATHERED_KEY
+        ([Note: keeping parameters gathered across a backward] in kept_gathers.py)."""
+        return self._is_outside_blocks() and (not self.group.reshard_after_backward or self.serves_kept_gather or self.group.fsdp_params[0].offload_to_cpu)
 
     def _frames_root_post_forward(self) -> None:
         self.frames_forward_running = False

@@ -37,6 +37,8 @@ __all__ = ["KeptGather", "addresses_and_versions", "columns_for_graph"]
 #   differ on purpose: eagerly (and in FSDP2) a forward after an optimizer step that found the group
 #   still gathered trains on the stale gathered values (seen: other losses than resharding); FSDP2's
 #   recipe, set_reshard_after_backward(True) on the last micro-batch, never meets either;
+# - FSDPModule.reshard() lets it go (CompiledFSDPState.let_go_of_kept_gather), as eagerly it frees
+#   the unsharded parameters: the next forward gathers again;
 # - set_reshard_after_backward is read where the runtime gathers: the backward's gather keeps with it
 #   False; a forward's gather keeps where the group does not reshard after forward (held from there
 #   through the backward, as eagerly) and the setting is False as the forward runs. With True (the

@@ -231,26 +231,31 @@ def _served() -> FrameOpsRuntime:
 
 @torch.library.custom_op(
     "fsdp_compile::frame_all_gather", mutates_args=(),
-    schema="(Tensor[] shards, int[] padded_numels, ScalarType param_dtype, int shard_size, str shard_group_name, bool backward) -> Tensor",
+    schema=(
+        "(Tensor[] shards, int[] padded_numels, ScalarType param_dtype, int shard_size, str shard_group_name, bool backward, "
+        "Device device) -> Tensor"
+    ),
 )
 def frame_all_gather(
     shards: list[torch.Tensor], padded_numels: list[int], param_dtype: torch.dtype, shard_size: int, shard_group_name: str,
-    backward: bool,
+    backward: bool, device: torch.device,
 ) -> torch.Tensor:
     """In a block frame's forward (``backward`` False) or backward graph, in place of its group's
     all-gather (copy-in and all-gather, left in flight for the graph's wait): the all-gather the block
     that ran before it issued for it (in forward the block before it, in backward the block after it),
     else one issued now; either way it then issues that of the block that runs next. See [Note:
-    prefetch across block frames] in frames.py and [Note: backward prefetch across block frames] in frames.py."""
-    return _served().gather_in_frame(shards, padded_numels, param_dtype, shard_size, shard_group_name, backward)
+    prefetch across block frames] in frames.py and [Note: backward prefetch across block frames] in frames.py.
+    ``device``: where the gathered tensor lives; CPU-offloaded ``shards`` are host tensors, copied
+    there by the runtime ([Note: offloaded shards under whole-model compile] in param_reads.py)."""
+    return _served().gather_in_frame(shards, padded_numels, param_dtype, shard_size, shard_group_name, backward, device)
 
 
 @frame_all_gather.register_fake
 def _frame_all_gather_shape(
     shards: list[torch.Tensor], padded_numels: list[int], param_dtype: torch.dtype, shard_size: int, shard_group_name: str,
-    backward: bool,
+    backward: bool, device: torch.device,
 ) -> torch.Tensor:
-    return shards[0].new_empty((shard_size * sum(padded_numels),), dtype=param_dtype)
+    return shards[0].new_empty((shard_size * sum(padded_numels),), dtype=param_dtype, device=device)
 
 
 @torch.library.custom_op("fsdp_compile::deliver_reduced_gradient", mutates_args=())

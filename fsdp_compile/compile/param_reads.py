@@ -79,7 +79,7 @@ def unshard_for_trace(
     sink: torch.Tensor, requires_gradient_sync: bool, accumulated: torch.Tensor | None,
     deferred: torch.Tensor | None = None, deferred_sink: torch.Tensor | None = None,
     quantize: tuple[torch.dtype, int] | None = None, tensor_parallel: "TensorParallelLayout | None" = None,
-    late_sink: torch.Tensor | None = None,
+    late_sink: torch.Tensor | None = None, offloaded_to: torch.device | None = None,
 ) -> torch.Tensor:
     """The full parameter from its sharded DTensor, as traceable functional collectives.
 
@@ -94,10 +94,12 @@ def unshard_for_trace(
     rank's TP piece, returned as the user's DTensor, whose operations trace TP's own collectives.
     ``late_sink``: the parameter's ``gradient_handover_sink`` where its reduced gradient is handed to the
     runtime, not returned ([Note: late reduce-scatter wait across block frames] in frames.py).
+    ``offloaded_to``: the device a CPU-offloaded shard is gathered on ([Note: offloaded shards under
+    whole-model compile]), or None.
     """
     full = _unshard_local(
         sharded, layout, param_dtype, spec, annotation, sink, requires_gradient_sync, accumulated, deferred, deferred_sink,
-        quantize, late_sink,
+        quantize, late_sink, offloaded_to,
     )
     return full if tensor_parallel is None else tensor_parallel.unsharded(full)
 
@@ -106,10 +108,13 @@ def _unshard_local(
     sharded: torch.Tensor, layout: ShardLayout, param_dtype: torch.dtype, spec: ReduceSpec, annotation: dict[str, object],
     sink: torch.Tensor, requires_gradient_sync: bool, accumulated: torch.Tensor | None,
     deferred: torch.Tensor | None, deferred_sink: torch.Tensor | None, quantize: tuple[torch.dtype, int] | None,
-    late_sink: torch.Tensor | None,
+    late_sink: torch.Tensor | None, offloaded_to: torch.device | None,
 ) -> torch.Tensor:
     with fx_traceback.annotate(annotation):
-        local = layout.to_dim0(sharded.to_local())
+        local = sharded.to_local()
+        if offloaded_to is not None:
+            local = local.to(offloaded_to)
+        local = layout.to_dim0(local)
         # Always pad (possibly by 0 rows): every rank must trace the same ops (fingerprint check).
         padded = pad_rows(local, layout.chunk - local.shape[0])
         if not requires_gradient_sync:
@@ -124,6 +129,29 @@ def _unshard_local(
             spec.replicate_group_name, late_sink,
         )
         return layout.full_from_gathered(gathered)
+
+
+# [Note: offloaded shards under whole-model compile]
+# A CPU-offloaded shard lives in host memory, its gradient too; eagerly the unshard copies it to the
+# device on the copy-in stream ([Note: offloaded shards are copied on the copy-in stream] in
+# runtime/param_group.py) and the reduce-scatter's copy-out writes the gradient back to host memory.
+# Traced, the read moves the shard to the device before padding it, so the graph computes on the
+# device and its gradient flows back to the host shard through that copy's backward. Under blocks
+# compiled as frames the copy is not the graph's: the post-grad pass that makes a group's all-gather
+# the runtime's frame_all_gather (passes/recompute.gather_frames_through_prefetch) hands it the host
+# shard, and the runtime copies it to the device as it issues the all-gather (frames.py:
+# _issue_frame_all_gather), so ahead of use where the block before prefetches it. The copy, the
+# copy-in and the all-gather go in that order on the stream the graph runs on, so the copy-in never
+# reads a device copy before it landed. That holds for each block and, routed as a group kept
+# gathered (KEEPS_GATHERED_KEY, [Note: keeping parameters gathered across a backward] in
+# kept_gathers.py), for an offloaded group outside blocks. A block's reduced gradient goes to the
+# runtime too (late delivery), whose copy-out writes the host gradient as eagerly; where a gradient
+# comes out of the graph (the root's, or any over one rank) its copy back to the host is the graph's,
+# a blocking copy, done before autograd accumulates it. Those copies back being blocking, no copy of a
+# host shard is still in flight once backward returns, when the optimizer steps the shards on the
+# CPU (eagerly, copies into pinned memory are waited on instead: [Note: offloaded gradients are read
+# by the host] in runtime/state.py). Elsewhere (regions, inline, fullgraph=True)
+# the all-gather and the copy would be graph nodes, with no prefetch: refused (compile/policy.py).
 
 
 _TRACED_PARAMS_ATTR = "_fsdp_compile_traced_params"

@@ -34,7 +34,9 @@ def settings_refused_when_compiled(group: "FSDPParamGroup | None", gathers_throu
     first compile recompiles, and the backend (``check_parameters_read``) refuses it then.
     ``gathers_through_frames``: the group's all-gather is the runtime's (a block compiled as a frame,
     or a group outside blocks under frames), which honours set_reshard_after_backward(False) without
-    the graph reading it ([Note: keeping parameters gathered across a backward] in kept_gathers.py).
+    the graph reading it ([Note: keeping parameters gathered across a backward] in kept_gathers.py), and
+    copies CPU-offloaded shards to the device ([Note: offloaded shards under whole-model compile] in
+    param_reads.py).
     """
     if group is None:
         return []
@@ -58,11 +60,14 @@ def settings_refused_when_compiled(group: "FSDPParamGroup | None", gathers_throu
         refused.append(f"an int reshard_after_forward: the compiled graph re-gathers from the full shard group; pass True or False, or {alternative}")
     if group.all_reduce_hook is not None:
         refused.append(f"set_all_reduce_hook: the compiled graph's reductions cannot call a Python hook; {alternative}")
-    if group.fsdp_params[0].offload_to_cpu:
+    if not runtime_gathers and group.fsdp_params[0].offload_to_cpu:
         refused.append(
-            "CPUOffloadPolicy: the compiled graph's all-gathers read the shards as device tensors and its "
-            "reduce-scatters write device gradients, while offloaded shards and gradients live in host memory "
-            f"(copied on the all-gather's stream and stepped on the CPU by the eager hooks); {alternative}"
+            "CPUOffloadPolicy where the group's all-gather is a node of the compiled graph (blocks compiled as regions or "
+            "inline: config.block_compile \"regions\" or \"inline\", torch.compile(fullgraph=True), a block called inside "
+            "its caller's checkpoint; or a group with CommPolicy's quantized all-gather or tensor-parallel parameters): "
+            "the copy of each host shard to the device would be a graph node too, made where the graph gathers, with no "
+            "prefetch ahead of it, where the runtime copies it on the all-gather's stream ahead of use. Blocks compiled "
+            f"as frames (block_compile \"frames\", the default, without fullgraph=True) honour it; or {alternative}"
         )
     if group.custom_all_gather is not None or group.custom_reduce_scatter is not None:
         refused.append(f"set_custom_all_gather / set_custom_reduce_scatter: the compiled graph's collectives are functional ops, not Python objects; {alternative}")
