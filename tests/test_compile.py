@@ -53,21 +53,28 @@ def _full_params(model):
     return [p.full_tensor() for p in model.parameters()]
 
 
+class RestoredState(NamedTuple):
+    state_kinds: set[str]  # type names of the state dict's values
+    max_output_gap: float  # between the compiled model and an eager one loaded from its state dict
+
+
 class CompiledVsEager(NamedTuple):
     eager_losses: list[float]
     compiled_losses: list[float]
     max_param_gap: float  # between the eagerly and the compiled trained parameters
     frames: dict  # Dynamo's stats plus after_first_step, joint_graphs_seen_by_our_passes, gradient_deliveries, compiled_autograd_captures, moved
     graph_breaks: int
+    restored: RestoredState | None = None  # with_state_dict: the compiled model's state dict loaded into an eager one
 
 
 def _compiled_vs_eager(
     mode: str, param_dtype_name: str | None = None, micro_batches: int = 1, hsdp_and_frozen: bool = False,
-    backend: str = "fsdp_inductor",
+    backend: str = "fsdp_inductor", with_state_dict: bool = False,
 ):
     """Train the same model eagerly and compiled (``mode``; ``backend``: fsdp_inductor, or
     fsdp_aot_eager where code generation is not what a test is about, to save its compile time);
-    return losses, max parameter difference and what was compiled."""
+    return losses, max parameter difference and what was compiled, and with ``with_state_dict``
+    what an eager model loaded from the compiled model's state dict computes."""
     torch._dynamo.reset()
     param_dtype = getattr(torch, param_dtype_name) if param_dtype_name else None
     policy = fsdp_compile.MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
@@ -129,7 +136,27 @@ def _compiled_vs_eager(
     breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
     param_diff = max((a - b).abs().max().item() for a, b in zip(_full_params(eager), _full_params(compiled)))
     frames["moved"] = max((a - b).abs().max().item() for a, b in zip(_full_params(eager), initial))
-    return CompiledVsEager(eager_losses, compiled_losses, param_diff, frames, breaks)
+    restored = None
+    if with_state_dict:  # after the counts above: its forward must not add to them
+        restored = _restored_from_state_dict(
+            compiled, runner, lambda: shard_model(sharded_copy(reference), fsdp_compile.fully_shard, mp_policy=policy, **extra),
+        )
+    return CompiledVsEager(eager_losses, compiled_losses, param_diff, frames, breaks, restored)
+
+
+def _restored_from_state_dict(trained, compiled, build_eager) -> RestoredState:
+    """Load ``trained``'s state dict into a new eager model (``build_eager()``); compare their
+    outputs, the trained one run through ``compiled``."""
+    state = trained.state_dict()
+    # The training batches' local shape and grad mode, and no FSDP model built yet (a new one fails
+    # the compiled hooks' guard on the states' generation): the compiled graphs run as they are,
+    # with no recompile.
+    tokens = global_batches(1, 2, 1, UNEVEN, seed=7)[0]
+    compiled_output = compiled(tokens).detach()
+    restored = build_eager()
+    restored.load_state_dict(state)
+    difference = (compiled_output - restored(tokens).detach()).abs().max().item()
+    return RestoredState({type(v).__name__ for v in state.values()}, difference)
 
 
 def _gradient_deliveries(graph: torch.fx.GraphModule) -> int:
@@ -147,8 +174,15 @@ def _assert_matches_eager(result: CompiledVsEager, loss_rtol=1e-6, param_atol=1e
     assert result.frames["moved"] >= 10 * param_atol, f"parameters moved by only {result.frames['moved']}"
 
 
-def test_fsdp_inductor_fullgraph_matches_eager_without_breaks_or_recompiles(dist):
-    result = dist.run(2, _compiled_vs_eager, "fsdp_inductor")[0]
+@pytest.fixture(scope="module")
+def fullgraph_fp32(dist) -> CompiledVsEager:
+    """One fp32 fsdp_inductor training run, compiled once for the tests that assert on it: its
+    numerics and frames, and its state dict loaded into an eager model."""
+    return dist.run(2, _compiled_vs_eager, "fsdp_inductor", with_state_dict=True)[0]
+
+
+def test_fsdp_inductor_fullgraph_matches_eager_without_breaks_or_recompiles(fullgraph_fp32):
+    result = fullgraph_fp32
     _assert_matches_eager(result)
     assert result.graph_breaks == 0
     assert result.frames["unique_graphs"] == result.frames["after_first_step"], "recompiled after the first step"
@@ -188,29 +222,8 @@ def test_compiled_autograd_gradients_equal_eager(dist):
     assert result.frames["gradient_deliveries"] == 0, result.frames
 
 
-class RestoredState(NamedTuple):
-    state_kinds: set[str]  # type names of the state dict's values
-    max_output_gap: float  # between the compiled model and an eager one loaded from its state dict
-
-
-def _state_dict_after_compiled_training():
-    torch._dynamo.reset()
-    reference = build_reference(UNEVEN)
-    model = shard_model(sharded_copy(reference), fsdp_compile.fully_shard)
-    compiled = torch.compile(model, backend="fsdp_aot_eager")
-    _train(model, global_batches(2, 2, dist.get_world_size(), UNEVEN), compiled)
-    state = model.state_dict()
-    restored = shard_model(sharded_copy(reference), fsdp_compile.fully_shard)
-    restored.load_state_dict(state)
-    tokens = global_batches(1, 2, 1, UNEVEN, seed=7)[0]
-    with torch.no_grad():
-        difference = (compiled(tokens) - restored(tokens)).abs().max().item()
-    kinds = {type(v).__name__ for v in state.values()}
-    return RestoredState(kinds, difference)
-
-
-def test_state_dict_of_compiled_model_loads_into_eager_model(dist):
-    result = dist.run(2, _state_dict_after_compiled_training)[0]
+def test_state_dict_of_compiled_model_loads_into_eager_model(fullgraph_fp32):
+    result = fullgraph_fp32.restored
     assert result.state_kinds == {"DTensor"}
     assert result.max_output_gap < 1e-5
 

@@ -396,13 +396,13 @@ def _kernel_cases() -> list:
     100-parameter groups (empty, 1-element and multi-block parameters) on the narrowing pairs."""
     import test_kernels
 
-    return test_kernels.CASES
+    return test_kernels.kernel_cases(100)
 
 
 def _scaled_kernel_cases(one: list[tuple], hundred: dict[str, tuple]) -> list:
     import test_kernels
 
-    return test_kernels.with_scalings(one, hundred)
+    return test_kernels.with_scalings(_kernel_cases(), one, hundred)
 
 
 # The same NaN rule as test_kernels.py: NaN payloads are compared only where no cast or divide

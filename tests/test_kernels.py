@@ -134,23 +134,36 @@ def shard(unsharded: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 
 
 # (src, dst, parameter count, world sizes). The interpreter costs milliseconds per program and a
-# [world, total] kernel runs one program per (block, rank), so every dtype pair and world size
-# runs on 1-parameter groups, and the 100-parameter group (empty, 1-element and multi-block
-# parameters) on the two narrowing pairs, each at one world size.
-CASES = [pytest.param(src, dst, 1, range(1, 9), id=f"1param-{name}") for (src, dst), name in zip(DTYPE_PAIRS, PAIR_IDS)]
-CASES.append(pytest.param(torch.float32, torch.bfloat16, 100, [3], id="100params-fp32-bf16"))
-CASES.append(pytest.param(torch.float32, torch.float16, 100, [4], id="100params-fp32-fp16"))
+# [world, total] kernel runs one program per (block, rank), every parameter at least one block, so
+# every dtype pair and world size runs on 1-parameter groups, and a many-parameter group (empty,
+# 1-element and multi-block parameters: a test checks) on the two narrowing pairs, each at one
+# world size. Interpreted, the group has 24 parameters: a quarter of the programs of 100 (their
+# cases took 38 of this file's 50 CPU s), the same kinds of parameters and boundaries between them;
+# compiled on a GPU it has 100 (test_cuda.py).
+INTERPRETED_GROUP = 24
 
 
-def with_scalings(scalings_of_one_parameter: list[tuple], scaling_of_a_hundred: dict[str, tuple]) -> list:
-    """CASES crossed with a reduce-scatter kernel's divisor (and accumulate) settings: every setting on
-    the 1-parameter groups, at every world size; one setting per 100-parameter group (each setting
+def kernel_cases(many: int) -> list:
+    """The cases above, with a ``many``-parameter group."""
+    cases = [pytest.param(src, dst, 1, range(1, 9), id=f"1param-{name}") for (src, dst), name in zip(DTYPE_PAIRS, PAIR_IDS)]
+    cases.append(pytest.param(torch.float32, torch.bfloat16, many, [3], id=f"{many}params-fp32-bf16"))
+    cases.append(pytest.param(torch.float32, torch.float16, many, [4], id=f"{many}params-fp32-fp16"))
+    return cases
+
+
+CASES = kernel_cases(INTERPRETED_GROUP)
+MANY = f"{INTERPRETED_GROUP}params"  # the id prefix of CASES' many-parameter groups
+
+
+def with_scalings(cases: list, scalings_of_one_parameter: list[tuple], scaling_of_many: dict[str, tuple]) -> list:
+    """``cases`` crossed with a reduce-scatter kernel's divisor (and accumulate) settings: every setting
+    on the 1-parameter groups, at every world size; one setting per many-parameter group (each setting
     on one narrowing pair), whose interpreted launches cost seconds each and whose extra coverage is
     the multi-parameter layout, not the arithmetic."""
     crossed = []
-    for case in CASES:
+    for case in cases:
         case_id = case.id
-        settings = [scaling_of_a_hundred[case_id]] if case_id in scaling_of_a_hundred else scalings_of_one_parameter
+        settings = [scaling_of_many[case_id]] if case_id in scaling_of_many else scalings_of_one_parameter
         for setting in settings:
             crossed.append(pytest.param(*case.values, *setting, id="-".join([case_id, *map(str, setting)])))
     return crossed
@@ -282,6 +295,18 @@ def test_custom_ops_refuse_a_buffer_of_the_wrong_size_before_writing():
 # ---------------------------------------------------------------------------------------------
 
 
+def test_interpreted_many_parameter_groups_hold_every_kind_of_parameter():
+    """CASES' many-parameter groups, as the four copy tests below draw them (seed world + 0..3), hold
+    an empty, a 1-element and a multi-block parameter: the coverage their size is chosen for."""
+    groups = [(case.values[2], world) for case in CASES if case.values[2] > 1 for world in case.values[3]]
+    assert groups
+    for count, world in groups:
+        for seed in range(world, world + 4):
+            shapes, _ = make_group(count, world, seed)
+            kinds = {"empty": any(0 in shape for shape in shapes), "1-element": (1,) in shapes, "multi-block": (5, 1031) in shapes}
+            assert all(kinds.values()), f"seed {seed}: {count} parameters without every kind: {kinds}"
+
+
 @pytest.mark.parametrize("src, dst, count, worlds", CASES)
 def test_triton_all_gather_copy_in_equals_reference(interpreted, src, dst, count, worlds):
     for world in worlds:
@@ -310,7 +335,7 @@ def test_triton_all_gather_copy_out_equals_reference(interpreted, src, dst, coun
 
 @pytest.mark.parametrize(
     "src, dst, count, worlds, pre_divide",
-    with_scalings([(1.0,), (3.0,)], {"100params-fp32-bf16": (1.0,), "100params-fp32-fp16": (3.0,)}),
+    with_scalings(CASES, [(1.0,), (3.0,)], {f"{MANY}-fp32-bf16": (1.0,), f"{MANY}-fp32-fp16": (3.0,)}),
 )
 def test_triton_reduce_scatter_copy_in_equals_reference(interpreted, src, dst, count, worlds, pre_divide):
     for world in worlds:
@@ -326,8 +351,8 @@ def test_triton_reduce_scatter_copy_in_equals_reference(interpreted, src, dst, c
 @pytest.mark.parametrize(
     "src, dst, count, worlds, post_divide, accumulate",
     with_scalings(
-        [(1.0, False), (1.0, True), (3.0, False), (3.0, True)],
-        {"100params-fp32-bf16": (1.0, True), "100params-fp32-fp16": (3.0, False)},
+        CASES, [(1.0, False), (1.0, True), (3.0, False), (3.0, True)],
+        {f"{MANY}-fp32-bf16": (1.0, True), f"{MANY}-fp32-fp16": (3.0, False)},
     ),
 )
 def test_triton_reduce_scatter_copy_out_equals_reference(interpreted, src, dst, count, worlds, post_divide, accumulate):
