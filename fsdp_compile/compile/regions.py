@@ -116,7 +116,7 @@ def reuse_marker(args: tuple, kwargs: dict) -> object:
 
 # [Note: a block whose body graph-breaks]
 # Dynamo refuses a graph break inside a nested compile region outright (UncapturedHigherOrderOpError:
-# torch 2.13 and 2.14 give invoke_subgraph no fallback), so a block whose forward breaks (a print, a
+# torch 2.11 to 2.14 give invoke_subgraph no fallback), so a block whose forward breaks (a print, a
 # data-dependent .item() branch, an unsupported call) would crash a whole-model compile that traces
 # the same block inline without trouble. For our block region alone, Dynamo is let to do what it does
 # for a break anywhere else: break the graph at the region's call, run that call eagerly and compile

@@ -275,17 +275,36 @@ def _add_traced_op_to_inductors_decompositions() -> None:
         memoized.cache_clear()
 
 
+def _invoke_subgraph_variable() -> Any:
+    """Dynamo's variable for an invoke_subgraph call, where its fallback switch is there: in
+    ``torch._dynamo.variables.invoke_subgraph`` from torch 2.13, in ``higher_order_ops`` in 2.11
+    (same class, same ``_ALLOW_FALLBACK_TO_EAGER`` read when its body breaks the graph)."""
+    for module_name in ("torch._dynamo.variables.invoke_subgraph", "torch._dynamo.variables.higher_order_ops"):
+        if _has(module_name, "InvokeSubgraphHigherOrderVariable", "_ALLOW_FALLBACK_TO_EAGER")():
+            return getattr(__import__(module_name, fromlist=["_"]), "InvokeSubgraphHigherOrderVariable")
+    return None
+
+
 def _let_a_block_body_graph_break(region_codes: tuple[Any, ...]) -> None:
     """See [Note: a block whose body graph-breaks] (regions.py); once per process. ``region_codes``:
     the code objects of the block regions' bodies."""
-    from torch._dynamo.variables.invoke_subgraph import InvokeSubgraphHigherOrderVariable, get_fn_code
+    from torch._dynamo.variables import UnspecializedNNModuleVariable, UserFunctionVariable
 
+    InvokeSubgraphHigherOrderVariable = _invoke_subgraph_variable()
     traced = InvokeSubgraphHigherOrderVariable.call_function
     if getattr(traced, "_fsdp_compile_block_fallback", False):
         return
 
+    def body_code(fn_var: Any) -> Any:
+        # What torch 2.13's get_fn_code returns (2.11 has no such function): the code a region calls.
+        if isinstance(fn_var, UserFunctionVariable):
+            return fn_var.get_function().__code__
+        if isinstance(fn_var, UnspecializedNNModuleVariable):
+            return fn_var.value.forward.__func__.__code__
+        return None
+
     def call_function(self: Any, tx: Any, args: Any, kwargs: Any) -> Any:
-        if args and get_fn_code(args[0]) in region_codes:
+        if args and body_code(args[0]) in region_codes:
             self._ALLOW_FALLBACK_TO_EAGER = True  # this call only: other regions keep torch's hard error
         return traced(self, tx, args, kwargs)
 
@@ -295,7 +314,7 @@ def _let_a_block_body_graph_break(region_codes: tuple[Any, ...]) -> None:
 
 # [Note: a block whose body graph-breaks]
 # Dynamo refuses a graph break inside a nested compile region outright (UncapturedHigherOrderOpError:
-# torch 2.13 and 2.14 give invoke_subgraph no fallback), so a block whose forward breaks (a print, a
+# torch 2.11 to 2.14 give invoke_subgraph no fallback), so a block whose forward breaks (a print, a
 # data-dependent .item() branch, an unsupported call) would crash a whole-model compile that traces
 # the same block inline without trouble. For our block region alone, Dynamo is let to do what it does
 # for a break anywhere else: break the graph at the region's call, run that call eagerly and compile
@@ -334,8 +353,7 @@ TORCH_PATCHES: tuple[TorchPatch, ...] = (
     ),
     TorchPatch(
         "graph break inside a block region", (2, 11), (2, 14),
-        lambda: _has("torch._dynamo.variables.invoke_subgraph", "InvokeSubgraphHigherOrderVariable", "_ALLOW_FALLBACK_TO_EAGER")()
-        and _has("torch._dynamo.variables.invoke_subgraph", "get_fn_code")(),
+        lambda: _invoke_subgraph_variable() is not None,
         lambda: _let_a_block_body_graph_break(tuple(_region_codes)),
         "a block compiled once as a region whose body breaks the graph; set fsdp_compile.config.block_compile = \"inline\"",
     ),
