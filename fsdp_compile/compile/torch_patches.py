@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -303,8 +304,11 @@ def _let_a_block_body_graph_break(region_codes: tuple[Any, ...]) -> None:
             return fn_var.value.forward.__func__.__code__
         return None
 
+    # torch 2.13's own reading where it has one (it knows more kinds of callables than body_code).
+    code_of = getattr(sys.modules.get("torch._dynamo.variables.invoke_subgraph"), "get_fn_code", None) or body_code
+
     def call_function(self: Any, tx: Any, args: Any, kwargs: Any) -> Any:
-        if args and body_code(args[0]) in region_codes:
+        if args and code_of(args[0]) in region_codes:
             self._ALLOW_FALLBACK_TO_EAGER = True  # this call only: other regions keep torch's hard error
         return traced(self, tx, args, kwargs)
 
