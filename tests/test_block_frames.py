@@ -41,7 +41,9 @@ def _model(layers: int, distinct_first: bool = False) -> Transformer:
     return model
 
 
-def _collectives_per_step(model: nn.Module, runner: nn.Module, steps: int) -> list[dict[str, int]]:
+def _collectives_per_step(model: nn.Module, runner: nn.Module, steps: int, graphs: list[int] | None = None) -> list[dict[str, int]]:
+    """The collectives of each of ``steps`` SGD steps; ``graphs``, if given, takes Dynamo's graph
+    count after each."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     counted = []
     for step in range(steps):
@@ -51,6 +53,8 @@ def _collectives_per_step(model: nn.Module, runner: nn.Module, steps: int) -> li
         optimizer.step()
         optimizer.zero_grad()
         counted.append({kind: n for kind, n in sorted(counts.items()) if n})
+        if graphs is not None:
+            graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     return counted
 
 
@@ -104,7 +108,12 @@ def _prefetch_chain(order: list[str]) -> list[tuple[str, str, bool]]:
     return chain
 
 
-def _frames_against_eager(layers: int, backend: str, param_dtype_name: str | None = None, distinct_first: bool = False):
+def _frames_against_eager(
+    layers: int, backend: str, param_dtype_name: str | None = None, distinct_first: bool = False, then_steady_state: bool = False
+):
+    """Two counted and two trained steps of ``layers`` blocks as frames, against eager training;
+    ``then_steady_state``: the compiled model then goes on through steady_state_schedule (its graph
+    counts under "steady_state", with those after the first two steps under "first_steps_graphs")."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     policy = MixedPrecisionPolicy(param_dtype=getattr(torch, param_dtype_name) if param_dtype_name else None)
@@ -112,15 +121,17 @@ def _frames_against_eager(layers: int, backend: str, param_dtype_name: str | Non
     eager, compiled = _shard(copy.deepcopy(reference), policy), _shard(copy.deepcopy(reference), policy)
     with block_compile_mode("frames"), observe_graphs() as graphs, _frame_gathers() as gathers:
         runner = torch.compile(compiled, backend=backend)
-        compiled_collectives = _collectives_per_step(compiled, runner, 2)
+        first_steps_graphs: list[int] = []
+        compiled_collectives = _collectives_per_step(compiled, runner, 2, first_steps_graphs)
         gathers_of_two_steps = {backward: list(events) for backward, events in gathers.items()}
         compiled_losses = _train(runner, 2, seed=7)
     forwards = [g for kind, g in graphs if kind == "forward"]
     frame_forwards = [g for g in forwards if _first(g, FRAME_GATHER) < float("inf")]
     # One backward per compiled block frame: the one that reduce-scatters its block's gradients.
     frame_backwards = [g for kind, g in graphs if kind == "backward" and _groups_reduced(g) & {FRAME, FIRST_FRAME}]
-    return {
+    result = {
         "layers": layers,
+        "first_steps_graphs": first_steps_graphs,
         "unique_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
         "frame_graphs": len(frame_backwards),
         "saved_gathered": sorted({group for g in forwards for group in _saved_all_gather_outputs(g)}),
@@ -142,6 +153,18 @@ def _frames_against_eager(layers: int, backend: str, param_dtype_name: str | Non
         "eager_losses": _train(eager, 2, seed=7),
         "param_gap": _param_gap(eager, compiled),
     }
+    if then_steady_state:  # last: the schedule trains the compiled model on, past what is compared above
+        with block_compile_mode("frames"):
+            result["steady_state"] = steady_state_schedule(compiled, runner)
+    return result
+
+
+@pytest.fixture(scope="module")
+def two_block_frames(dist) -> dict:
+    """Two blocks as frames under fsdp_aot_eager, compiled once for the tests that assert on them:
+    against eager training, and through the steady-state schedule (a compile of the same model each
+    would trace the same four frames again)."""
+    return dist.run(2, _frames_against_eager, 2, "fsdp_aot_eager", then_steady_state=True)[0]
 
 
 def _groups_gathered(graph: torch.fx.GraphModule) -> set[str]:
@@ -182,8 +205,8 @@ def _assert_trains_like_eager(result: dict, tolerance: float) -> None:
     assert result["param_gap"] < tolerance, result
 
 
-def test_blocks_as_frames_compile_one_graph_for_two_or_twelve_blocks_with_eagers_collectives(dist):
-    shallow, deep = (dist.run(2, _frames_against_eager, layers, "fsdp_aot_eager")[0] for layers in (2, 12))
+def test_blocks_as_frames_compile_one_graph_for_two_or_twelve_blocks_with_eagers_collectives(dist, two_block_frames):
+    shallow, deep = two_block_frames, dist.run(2, _frames_against_eager, 12, "fsdp_aot_eager")[0]
     for result in (shallow, deep):
         _assert_trains_like_eager(result, 1e-5)
         # One all-gather and one reduce-scatter per group and step, as eagerly: the root, read in the
@@ -501,17 +524,11 @@ def test_a_blocks_reduce_scatter_is_waited_in_the_next_blocks_backward_after_its
 # --- steady state ---------------------------------------------------------------------------------
 
 
-def _steady_state_of_frames():
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    model = _shard(_model(2), MixedPrecisionPolicy())
-    with block_compile_mode("frames"):
-        return steady_state_schedule(model, torch.compile(model, backend="fsdp_aot_eager"))
-
-
-def test_block_frames_steady_state_recompiles_once_per_shape_class_not_per_block(dist):
-    graphs = dist.run(2, _steady_state_of_frames)[0]
-    assert graphs[0] == graphs[2], graphs
+def test_block_frames_steady_state_recompiles_once_per_shape_class_not_per_block(two_block_frames):
+    # The schedule runs on after the model's first four training steps (two_block_frames), at the
+    # schedule's first shape: the graphs after the first step are the graphs of every later step.
+    first_steps, graphs = two_block_frames["first_steps_graphs"], two_block_frames["steady_state"]
+    assert first_steps[0] == first_steps[1] == graphs[0] == graphs[2], (first_steps, graphs)
     assert graphs[3] == graphs[5], graphs
     # Exact counts (torch 2.13): the first step compiles 4 frames (the root's pieces around the blocks
     # and one frame both blocks share), eval their no-grad variants. A new shape class recompiles
@@ -519,7 +536,7 @@ def test_block_frames_steady_state_recompiles_once_per_shape_class_not_per_block
     # once per block, and then stays dynamic. (5 and 3 before the FSDP hooks became frames Dynamo
     # skips: a block's post-forward hook compiled a graph returning its input, shape-guarded:
     # [Note: hook frames under block frames] in compiled_state.py.)
-    assert graphs[0] == 4 and graphs[3] - graphs[2] == graphs[0], graphs
+    assert first_steps[0] == 4 and graphs[3] - graphs[2] == first_steps[0], (first_steps, graphs)
     assert graphs[6] - graphs[5] == 2 and graphs[7] == graphs[6], graphs
     assert graphs[8] - graphs[7] == 2 and graphs[9] == graphs[8], graphs
 
