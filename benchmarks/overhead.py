@@ -31,11 +31,10 @@ import pstats
 import random
 import statistics
 import sys
-import time
 import types
 import torch
 
-from benchmarks.measure import quiet_profiler, train_step
+from benchmarks.measure import quiet_profiler, timed_step, train_step
 from benchmarks.modes import Mode
 
 __all__ = [
@@ -201,13 +200,8 @@ def _device_figures(events: list, step_ms: float, top: int = 5) -> dict:
 def _dispatch_and_dynamo_counts(mode: Mode, tokens: torch.Tensor) -> dict:
     on_cuda = tokens.is_cuda
     with quiet_profiler(cuda=on_cuda) as profiler:
-        if on_cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        train_step(mode, tokens)
-        if on_cuda:
-            torch.cuda.synchronize()
-        step_ms = (time.perf_counter() - start) * 1e3
+        seconds, _ = timed_step(mode, tokens, tokens.device)
+    step_ms = seconds * 1e3
     events = list(profiler.profiler.kineto_results.events())
     aten, aten_top = _aten_counts(events)
     prefix = "Torch-Compiled Region: "

@@ -584,6 +584,19 @@ def test_steps_outside_the_compiled_root_leave_it_compiled_and_warn_of_nothing(d
 # --- two compiled models in one process ------------------------------------------------------------
 
 
+def _tiny_lm_sgd_step(model: nn.Module, runner, seed: int) -> float:
+    """One step of a TinyLM through ``runner`` (the model or its compiled wrapper): a loss on this rank's
+    tokens drawn from ``seed``, its backward, and a plain SGD update of ``model``'s parameters."""
+    tokens = torch.randint(0, 37, (2, 6), generator=torch.Generator().manual_seed(seed + dist.get_rank()))
+    loss = runner(tokens).float().pow(2).mean()
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 0.1 * p.grad
+            p.grad = None
+    return loss.item()
+
+
 def _two_models_interleaved():
     """Two independent models (different widths), each compiled with fsdp_aot_eager, trained step by
     step interleaved in one process, and each trained alone: the state the compiled path keeps
@@ -595,28 +608,18 @@ def _two_models_interleaved():
         model = shard_model(TinyLM(dim=dim, n_layers=2), fully_shard)
         return model, torch.compile(model, backend="fsdp_aot_eager")
 
-    def step(model, runner, seed: int) -> float:
-        tokens = torch.randint(0, 37, (2, 6), generator=torch.Generator().manual_seed(seed + dist.get_rank()))
-        loss = runner(tokens).float().pow(2).mean()
-        loss.backward()
-        with torch.no_grad():
-            for p in model.parameters():
-                p -= 0.1 * p.grad
-                p.grad = None
-        return loss.item()
-
     losses = {}
     torch._dynamo.reset()
     alone = {}
     for dim in (8, 12):
         model, runner = build(dim)
-        alone[dim] = [step(model, runner, 10 * s) for s in range(3)]
+        alone[dim] = [_tiny_lm_sgd_step(model, runner, 10 * s) for s in range(3)]
     torch._dynamo.reset()
     pair = {dim: build(dim) for dim in (8, 12)}
     together = {8: [], 12: []}
     for s in range(3):
         for dim, (model, runner) in pair.items():
-            together[dim].append(step(model, runner, 10 * s))
+            together[dim].append(_tiny_lm_sgd_step(model, runner, 10 * s))
     losses["alone"], losses["together"] = alone, together
     return losses
 
@@ -642,17 +645,7 @@ def _models_past_the_recompile_limit():
         torch.manual_seed(dim)
         model = shard_model(TinyLM(dim=dim, n_layers=2), fully_shard)
         runner = torch.compile(model, backend="fsdp_aot_eager") if compiled else model
-        out = []
-        for step in range(2):
-            tokens = torch.randint(0, 37, (2, 6), generator=torch.Generator().manual_seed(step + dist.get_rank()))
-            loss = runner(tokens).float().pow(2).mean()
-            loss.backward()
-            with torch.no_grad():
-                for p in model.parameters():
-                    p -= 0.1 * p.grad
-                    p.grad = None
-            out.append(loss.item())
-        return out
+        return [_tiny_lm_sgd_step(model, runner, step) for step in range(2)]
 
     torch._dynamo.reset()
     result: dict = {"eager": {}, "compiled": {}, "raised": {}}

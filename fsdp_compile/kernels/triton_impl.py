@@ -247,8 +247,7 @@ def all_gather_copy_in(shards: list[torch.Tensor], padded_numels: list[int], out
     src = _common_dtype(op, "shards", shards)
     dst = _common_dtype(op, "out", [out])
     _check_launchable(op, out.device)
-    per_word = _elements_per_word(src, dst, shards, padded_numels, out)
-    src, dst, padded_numels = _as_words(src, dst, padded_numels, per_word)
+    src, dst, padded_numels, per_word = _in_words(src, dst, shards, padded_numels, out)
     num_blocks = [triton.cdiv(padded, BLOCK_SIZE) for padded in padded_numels]
     if sum(num_blocks) == 0:
         return
@@ -316,8 +315,7 @@ def all_gather_copy_out(gathered: torch.Tensor, padded_numels: list[int], outs: 
     dst = _common_dtype(op, "outs", outs)
     _check_launchable(op, gathered.device)
     world, total = gathered.shape
-    per_word = _elements_per_word(src, dst, outs, padded_numels, gathered)
-    src, dst, padded_numels = _as_words(src, dst, padded_numels, per_word)
+    src, dst, padded_numels, per_word = _in_words(src, dst, outs, padded_numels, gathered)
     num_blocks = [triton.cdiv(padded, BLOCK_SIZE) for padded in padded_numels]
     if sum(num_blocks) == 0 or world == 0:
         return
@@ -395,8 +393,7 @@ def reduce_scatter_copy_in(
     dst = _common_dtype(op, "out", [out])
     _check_launchable(op, out.device)
     world, total = out.shape
-    per_word = _elements_per_word(src, dst, grads, padded_numels, out) if pre_divide == 1.0 else 1
-    src, dst, padded_numels = _as_words(src, dst, padded_numels, per_word)
+    src, dst, padded_numels, per_word = _in_words(src, dst, grads, padded_numels, out, bit_copy=pre_divide == 1.0)
     num_blocks = [triton.cdiv(padded, BLOCK_SIZE) for padded in padded_numels]
     if sum(num_blocks) == 0 or world == 0:
         return
@@ -484,9 +481,8 @@ def reduce_scatter_copy_out(
     src = _common_dtype(op, "reduced", [reduced])
     dst = _common_dtype(op, "outs", outs)
     _check_launchable(op, reduced.device)
-    plain_copy = post_divide == 1.0 and not accumulate
-    per_word = _elements_per_word(src, dst, outs, padded_numels, reduced) if plain_copy else 1
-    src, dst, padded_numels = _as_words(src, dst, padded_numels, per_word)
+    bit_copy = post_divide == 1.0 and not accumulate
+    src, dst, padded_numels, per_word = _in_words(src, dst, outs, padded_numels, reduced, bit_copy=bit_copy)
     num_blocks = [triton.cdiv(out.numel() // per_word, BLOCK_SIZE) for out in outs]
     if sum(num_blocks) == 0:
         return
@@ -588,27 +584,21 @@ def _metadata(
 # at falls on an even element (numels, padded sizes, hence offsets and the row length) at a
 # 4-byte-aligned address, two elements are one 4-byte word: the launch runs the float32 kernel
 # (a raw bit copy, SRC == DST) over half as many words. Anything else keeps 2-byte words.
-def _elements_per_word(
+def _in_words(
     src: torch.dtype | None, dst: torch.dtype | None, tensors: list[torch.Tensor], padded_numels: list[int],
-    buffer: torch.Tensor,
-) -> int:
-    """2 if this copy can move its 2-byte elements in pairs (the note above), else 1."""
-    if src is not dst or src not in (torch.bfloat16, torch.float16) or buffer.data_ptr() % 4:
-        return 1
-    if any(padded % 2 for padded in padded_numels):
-        return 1
-    if any(tensor.numel() % 2 or tensor.data_ptr() % 4 for tensor in tensors):
-        return 1
-    return 2
-
-
-def _as_words(
-    src: torch.dtype | None, dst: torch.dtype | None, padded_numels: list[int], per_word: int
-) -> tuple[torch.dtype | None, torch.dtype | None, list[int]]:
-    """The launch's dtypes and padded sizes in kernel words of ``per_word`` elements."""
-    if per_word == 1:
-        return src, dst, padded_numels
-    return torch.float32, torch.float32, [padded // per_word for padded in padded_numels]
+    buffer: torch.Tensor, bit_copy: bool = True,
+) -> tuple[torch.dtype | None, torch.dtype | None, list[int], int]:
+    """The launch's ``(src, dst, padded_numels, elements per kernel word)``: float32 words of two
+    elements where this copy can move its 2-byte elements in pairs (the note above), else as given.
+    ``bit_copy``: the copy neither divides nor accumulates."""
+    pairs = (
+        bit_copy and src is dst and src in (torch.bfloat16, torch.float16) and buffer.data_ptr() % 4 == 0
+        and not any(padded % 2 for padded in padded_numels)
+        and not any(tensor.numel() % 2 or tensor.data_ptr() % 4 for tensor in tensors)
+    )
+    if not pairs:
+        return src, dst, padded_numels, 1
+    return torch.float32, torch.float32, [padded // 2 for padded in padded_numels], 2
 
 
 # [Note: launch metadata kept on the device]
