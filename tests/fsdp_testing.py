@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -272,20 +272,23 @@ def assert_matches_reference(results: list, loss_rtol: float, param_atol: float)
 
 
 @contextlib.contextmanager
-def block_compile_mode(mode: str = "frames", recompile_limit: int | None = None):
+def block_compile_mode(mode: str = "frames", recompile_limit: int | None = None, passes: Any = None):
     """``fsdp_compile.config.block_compile`` set to ``mode`` ("frames", the default: a Dynamo frame per
     block; "regions": the whole model one graph with a nested compile region per block; "inline"),
-    and Dynamo's ``recompile_limit`` where given, for the duration."""
+    Dynamo's ``recompile_limit`` and ``fsdp_compile.config.passes`` (a ``PassConfig``) where given,
+    for the duration."""
     import fsdp_compile
 
-    previous = fsdp_compile.config.block_compile, torch._dynamo.config.recompile_limit
+    previous = fsdp_compile.config.block_compile, torch._dynamo.config.recompile_limit, fsdp_compile.config.passes
     fsdp_compile.config.block_compile = mode
     if recompile_limit is not None:
         torch._dynamo.config.recompile_limit = recompile_limit
+    if passes is not None:
+        fsdp_compile.config.passes = passes
     try:
         yield
     finally:
-        fsdp_compile.config.block_compile, torch._dynamo.config.recompile_limit = previous
+        fsdp_compile.config.block_compile, torch._dynamo.config.recompile_limit, fsdp_compile.config.passes = previous
 
 
 def wait_for_background_run(started: tuple, what: str, timeout_s: float = 600) -> tuple[str, object]:

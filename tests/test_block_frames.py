@@ -480,13 +480,13 @@ def _reductions_handed_over():
         _FrameGather.take, FSDPParamGroup.hold_reduction, FSDPParamGroup.finish_reduction = take, hold, finish
 
 
-def _late_reduce_scatter_waits():
+def _late_reduce_scatter_waits(backend: str = "fsdp_inductor", passes: fsdp_compile.config.PassConfig | None = None):
     torch._dynamo.reset()
     reference = _model(3)
     eager, compiled = _shard(copy.deepcopy(reference), MixedPrecisionPolicy()), _shard(copy.deepcopy(reference), MixedPrecisionPolicy())
     tokens = _tokens(2, 12, seed=torch.distributed.get_rank())
-    with block_compile_mode("frames"), observe_graphs() as graphs, _reductions_handed_over() as events:
-        runner = torch.compile(compiled, backend="fsdp_inductor")
+    with block_compile_mode("frames", passes=passes), observe_graphs() as graphs, _reductions_handed_over() as events:
+        runner = torch.compile(compiled, backend=backend)
         for _ in range(2):  # the second backward: each block's gather learned, prefetches taken
             compiled.zero_grad()
             del events[:]
@@ -498,6 +498,7 @@ def _late_reduce_scatter_waits():
         "events": events,
         "grads_when_backward_returned": grads_when_backward_returned,
         "grad_gap": max((a.grad.full_tensor() - b.grad.full_tensor()).abs().max().item() for a, b in zip(eager.parameters(), compiled.parameters())),
+        "params_per_block": len(list(compiled.layers[0].parameters())),
         # In a block frame's backward graph: no wait on a reduce-scatter; the hand-over its last call.
         "frame_backwards_wait_on_reductions": [any(n.target is WAIT and n.args[0].target is REDUCE_SCATTER for n in g.graph.nodes) for g in frame_backwards],
         "frame_backwards_end_with_hand_over": [list(g.graph.nodes)[-2].target is DELIVER_REDUCE_SCATTER_LATE for g in frame_backwards],
@@ -518,6 +519,21 @@ def test_a_blocks_reduce_scatter_is_waited_in_the_next_blocks_backward_after_its
     assert all(result["grads_when_backward_returned"]), result
     assert result["frame_backwards_wait_on_reductions"] == [False], result
     assert result["frame_backwards_end_with_hand_over"] == [True], result
+    assert result["grad_gap"] < 1e-5, result
+
+
+def test_block_frames_train_like_eager_with_the_bucket_and_reorder_passes_off(dist):
+    # Unbucketed, a block's backward hands over one reduce-scatter per parameter, each result in the
+    # parameter's dim-0 shard shape (2-D for a weight), not a bucket's flat buffer; the runtime lands
+    # each as its parameter's shard. Once crashed in the copy-out, which took a 2-D result for the
+    # gradient wire's rows (the benchmark's ours-compiled-nopasses mode).
+    result = dist.run(2, _late_reduce_scatter_waits, "fsdp_aot_eager", fsdp_compile.config.PassConfig(bucket=False, reorder=False))[0]
+    hand_overs = [label for event, label in result["events"] if event == "hands over"]
+    landings = [label for event, label in result["events"] if event == "lands"]
+    per_block = {label: hand_overs.count(label) for label in ("layers.0", "layers.1", "layers.2")}
+    assert per_block == {label: result["params_per_block"] for label in per_block}, result
+    assert sorted(landings) == sorted(hand_overs), result
+    assert all(result["grads_when_backward_returned"]), result
     assert result["grad_gap"] < 1e-5, result
 
 

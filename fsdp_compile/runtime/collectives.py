@@ -327,8 +327,12 @@ class _FunctionalCollectiveWork:
 
 def pending_functional_reduce_scatter(output: torch.Tensor, reduce_input: torch.Tensor, label: str) -> PendingReduceScatter:
     """A compiled graph's reduce-scatter still in flight, handed over un-waited, as the eager runtime's
-    pending one; ``reduce_input`` is kept until the wait (the collective may read it until then)."""
-    return PendingReduceScatter(_FunctionalCollectiveWork(output), output, label, None, [reduce_input])
+    pending one; ``reduce_input`` is kept until the wait (the collective may read it until then).
+
+    ``output`` is a plain reduce-scatter's result (never the gradient wire's rows), waited as it is
+    and read flat: a bucket's is flat already, one parameter's unbucketed keeps its dim-0 shard's
+    shape, which the copy-out would take for the wire's rows."""
+    return PendingReduceScatter(_FunctionalCollectiveWork(output), output.view(-1), label, None, [reduce_input])
 
 
 def issue_reduce_scatter(
