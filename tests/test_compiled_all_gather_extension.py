@@ -137,10 +137,11 @@ def test_blocks_with_an_fp8_all_gather_extension_train_compiled_as_eagerly_sendi
     assert _gap(eager["params"], plain["params"]) > 1e-3
 
 
-def _refused(post_subclass: bool, mode: str = "frames") -> dict:
+def _refused(post_subclass: bool, mode: str = "frames", reshard_after_backward: bool = True) -> dict:
     torch._dynamo.reset()
     model = _sharded_model(False)
     bind_all_gather_extension(model, _subclass_post_all_gather if post_subclass else _fp8_post_all_gather)
+    model.set_reshard_after_backward(reshard_after_backward)
     try:
         with block_compile_mode(mode):
             torch.compile(model, backend="fsdp_aot_eager")(torch.randn(4, 8)).sum().backward()
@@ -168,3 +169,10 @@ def test_an_all_gather_extension_is_refused_where_the_all_gather_is_a_graph_node
         message = result.get("error", "")
         _check_refusal_names_the_parameter_and_the_way_out(message)
         assert "its all-gather is a node of the graph" in message and "Blocks compiled as frames" in message, message
+
+
+def test_an_all_gather_extension_is_refused_with_parameters_kept_gathered_across_a_backward(dist):
+    for result in dist.run(2, _refused, False, "frames", False):
+        message = result.get("error", "")
+        _check_refusal_names_the_parameter_and_the_way_out(message)
+        assert "set_reshard_after_backward(False): what the runtime keeps gathered" in message, message
