@@ -137,16 +137,20 @@ def test_blocks_with_an_fp8_all_gather_extension_train_compiled_as_eagerly_sendi
     assert _gap(eager["params"], plain["params"]) > 1e-3
 
 
-def _refused(post_subclass: bool, mode: str = "frames", reshard_after_backward: bool = True) -> dict:
+def _refused(post_subclass: bool, mode: str = "frames", reshard_after_backward: bool = True, bucket: bool = True) -> dict:
     torch._dynamo.reset()
     model = _sharded_model(False)
     bind_all_gather_extension(model, _subclass_post_all_gather if post_subclass else _fp8_post_all_gather)
     model.set_reshard_after_backward(reshard_after_backward)
+    passes = fsdp_compile.config.passes
+    fsdp_compile.config.passes = fsdp_compile.config.PassConfig(bucket=bucket)
     try:
         with block_compile_mode(mode):
             torch.compile(model, backend="fsdp_aot_eager")(torch.randn(4, 8)).sum().backward()
     except Exception as error:  # noqa: BLE001 - Dynamo may wrap backend errors
         return {"error": str(error)}
+    finally:
+        fsdp_compile.config.passes = passes
     return {}
 
 
@@ -176,3 +180,11 @@ def test_an_all_gather_extension_is_refused_with_parameters_kept_gathered_across
         message = result.get("error", "")
         _check_refusal_names_the_parameter_and_the_way_out(message)
         assert "set_reshard_after_backward(False): what the runtime keeps gathered" in message, message
+
+
+def test_an_all_gather_extension_is_refused_where_the_passes_leave_a_block_frames_all_gather_in_the_graph(dist):
+    """Unbucketed, a block's all-gathers stay graph nodes on the plain shards (the runtime never sees them)."""
+    for result in dist.run(2, _refused, False, "frames", True, False):
+        message = result.get("error", "")
+        _check_refusal_names_the_parameter_and_the_way_out(message)
+        assert "PassConfig bucket=False" in message, message

@@ -11,11 +11,13 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 import torch.fx as fx
 
+from fsdp_compile import config
 from fsdp_compile.annotations import BLOCK_FRAME_TOKEN, KEEPS_GATHERED_KEY, PARAM_KEY, STATE_KEY, fsdp_annotation
 from fsdp_compile.compile.trace_context import block_frame_in_trace
 from fsdp_compile.runtime.state import live_states
 
 if TYPE_CHECKING:
+    from fsdp_compile.config import PassConfig
     from fsdp_compile.runtime.param_group import FSDPParamGroup
 
 __all__ = [
@@ -93,7 +95,7 @@ def settings_refused_when_compiled(group: "FSDPParamGroup | None", gathers_throu
     return refused
 
 
-def check_parameters_read(gm: fx.GraphModule) -> None:
+def check_parameters_read(gm: fx.GraphModule, passes: "PassConfig | None" = None) -> None:
     """Before compiling a graph: every live fully_shard state whose parameters it reads learns that
     its model runs compiled (so an eager call into the model later initializes from the root
     instead of failing), and a parameter the graph cannot serve is refused.
@@ -101,7 +103,8 @@ def check_parameters_read(gm: fx.GraphModule) -> None:
     Refused: a group's settings that the graph cannot honour (``settings_refused_when_compiled``),
     and a local shard with FSDP2's all-gather extension (``fsdp_pre_all_gather``) where the runtime
     cannot run it ([Note: all-gather extensions under a whole-model compile]): the traced unshard
-    would gather the shard itself and silently lose the extension.
+    would gather the shard itself and silently lose the extension. ``passes``: the backend's pass
+    configuration (``fsdp_compile.config.passes`` when None).
     """
     annotations = [a for node in gm.graph.nodes if (a := fsdp_annotation(node)) is not None]
     traced = {(a[STATE_KEY], a[PARAM_KEY]) for a in annotations}
@@ -125,7 +128,7 @@ def check_parameters_read(gm: fx.GraphModule) -> None:
                 "cannot honour: " + "; ".join(refused) + "."
             )
         if state.group.uses_all_gather_extension:
-            refused_extension = _why_extension_is_not_run(state, read, state is block_frame)
+            refused_extension = _why_extension_is_not_run(state, read, state is block_frame, passes or config.passes)
             if refused_extension is not None:
                 raise NotImplementedError(all_gather_extension_refused(*refused_extension, state.group.label))
 
@@ -151,7 +154,8 @@ def check_parameters_read(gm: fx.GraphModule) -> None:
 # outside blocks, CommPolicy's quantized all-gather); a local shard that is a tensor subclass (the
 # graph would take it apart as an input); one rank (no all-gather in the graph: [Note: no collective
 # over one rank] in ops.py); a rank without rows of a parameter (the frame op could not find the
-# block); set_reshard_after_backward(False) (the runtime keeps plain gathers only). A
+# block); set_reshard_after_backward(False) (the runtime keeps plain gathers only); a PassConfig
+# under which the post-grad pass leaves the block's all-gather a graph node (bucket=False, ...). A
 # fsdp_post_all_gather returning a tensor subclass (torchao's Float8Tensor) is refused at the first
 # call, on every rank alike, after the all-gather and before the graph computes on it: a graph
 # input of that op is a plain tensor.
@@ -167,7 +171,7 @@ def all_gather_extension_refused(fqn: str, why: str, label: str) -> str:
     )
 
 
-def _why_extension_is_not_run(state: Any, read: list[Any], as_block_frame: bool) -> tuple[str, str] | None:
+def _why_extension_is_not_run(state: Any, read: list[Any], as_block_frame: bool, passes: "PassConfig") -> tuple[str, str] | None:
     """``(parameter, why)`` where this graph cannot run the all-gather extension of ``state``'s group
     (whose parameters ``read`` it reads), or None where the runtime runs it ([Note: all-gather
     extensions under a whole-model compile])."""
@@ -203,6 +207,14 @@ def _why_extension_is_not_run(state: Any, read: list[Any], as_block_frame: bool)
         return fqn, (
             "a parameter of its group has no rows on some rank, so the runtime cannot tell the block by its shards' "
             "addresses when the graph asks for its all-gather; shard it so every rank holds rows"
+        )
+    if not passes.bucket or passes.bucket_copy == "inductor" or passes.merge_small_groups_bytes:
+        # passes/recompute.gather_frames_through_prefetch hands the runtime a group's one bucket copied in by the
+        # copy-in op; otherwise the all-gather stays a node of the graph and the extension would be lost.
+        return fqn, (
+            "the graph passes are configured (PassConfig bucket=False, bucket_copy=\"inductor\" or "
+            "merge_small_groups_bytes) so that the block's all-gather stays a node of the graph instead of the "
+            "runtime's; keep PassConfig's defaults for these"
         )
     if not group.reshard_after_backward:
         return fqn, (
