@@ -17,6 +17,7 @@ import fsdp_compile
 from fsdp_compile import BackwardPrefetch, CommPolicy, CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from fsdp_compile.models import next_token_loss
 from fsdp_testing import UNEVEN, BlocksNet, CountingAllGather, CountingReduceScatter, TinyLM, block_compile_mode, global_batches, local_part, shard_model, sharded_copy
+from test_compiled_all_gather_extension import bind_all_gather_extension
 
 MICRO_BATCHES = 4
 
@@ -260,6 +261,9 @@ _SETTING_CASES: dict[str, dict] = {
     # Honoured by blocks compiled as frames (the default); refused as regions (the test above; test_compiled_cpu_offload.py).
     "offload_policy": dict(build=lambda: _shard_net({"offload_policy": CPUOffloadPolicy(pin_memory=False)})),
     "ignored_params": dict(build=lambda: _shard_net_ignoring_a_bias()),
+    # FSDP2's all-gather extension (fp8 on the wire) on both blocks' weights: the runtime runs it for each block
+    # frame. Compiled equals eager bitwise here; the tight tolerance lets changes= see the fp8 round trip (5e-4).
+    "fsdp_pre_all_gather": dict(configure=lambda model: bind_all_gather_extension(model, blocks=(0, 1)), changes=True, tolerance=1e-6),
     "comm_policy": dict(build=lambda: _shard_net({"comm_policy": CommPolicy(reduce_wire_dtype=torch.bfloat16)})),
     # Its way out is another mesh layout (its own test in test_tensor_parallel.py), not per-block compile.
     "dp_mesh_dims": dict(world=4, build=_tensor_parallel_net, verdict="refused", named="dp_mesh_dims", way_out=False),

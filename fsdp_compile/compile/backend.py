@@ -348,7 +348,7 @@ def _compile_with_inductor(
     config_patches = {**_settings_from_torch_compile(mode, options, pinned), **{k: v for k, (v, _) in pinned.items()}}
     refuse_tensor_parallel_graphs(example_inputs)
     check_collectives_match_across_ranks(gm)
-    check_parameters_read(gm)
+    check_parameters_read(gm, pass_config)
     torch_patches.require("traced all-gather in Inductor's decompositions")
     reach = output_reach(gm)
     with _said_when_dynamo_falls_back("fsdp_inductor"), region_schemas_kept():
@@ -464,8 +464,8 @@ def fsdp_aot_eager(
 
     refuse_tensor_parallel_graphs(example_inputs)
     check_collectives_match_across_ranks(gm)
-    check_parameters_read(gm)
     pass_config = config.passes.resolved()
+    check_parameters_read(gm, pass_config)
 
     def partition(joint: fx.GraphModule, joint_inputs: Any, **partition_kwargs: Any) -> Any:
         _tag_recompute(joint.graph)

@@ -21,6 +21,7 @@ import torch
 
 from fsdp_compile import config
 from fsdp_compile.compile import torch_patches
+from fsdp_compile.compile.extension_gathers import gather_through_extensions
 from fsdp_compile.compile.graph_check import END_OF_FORWARD, block_frames_fingerprint, check_block_frames_match_across_ranks
 from fsdp_compile.compile.kept_gathers import KeptGather, addresses_and_versions, columns_for_graph
 from fsdp_compile.compile.ops import FrameOpsRuntime, serve_frame_ops
@@ -34,8 +35,7 @@ if TYPE_CHECKING:
     from fsdp_compile.runtime.param_group import FSDPParamGroup
 
 __all__ = [
-    "FramePrefetch", "BlockFrame", "RootFrames", "BlockFrameFSDPState", "blocks_as_frames_in_this_trace", "land_late_reductions",
-    "gradient_holder",
+    "FramePrefetch", "BlockFrame", "RootFrames", "BlockFrameFSDPState", "blocks_as_frames_in_this_trace", "land_late_reductions", "gradient_holder",
 ]
 
 _functional = torch.ops._c10d_functional
@@ -415,13 +415,13 @@ def _gather_in_frame(
     shards: list[torch.Tensor], padded_numels: list[int], param_dtype: torch.dtype, shard_size: int, shard_group_name: str,
     backward: bool, device: torch.device,
 ) -> torch.Tensor:
-    """``fsdp_compile::frame_all_gather`` run in a block frame's forward or backward graph: the group's
-    all-gather in flight (issued ahead by the block that ran before it, or issued now), after issuing
-    that of the block that runs next (forward: the next block; backward: the block before it); see
-    [Note: prefetch across block frames] in frames.py."""
+    """``fsdp_compile::frame_all_gather`` run in a block frame's graph: the group's all-gather in flight (issued ahead by
+    the block that ran before it, or now), after issuing that of the block that runs next ([Note: prefetch across block frames])."""
     block, indices = _frame_block_of(shards, backward)
     if block is None:
         return _issue_frame_all_gather(shards, padded_numels, param_dtype, shard_size, shard_group_name, device)
+    if block.state.group.uses_all_gather_extension:
+        return gather_through_extensions(block, indices, padded_numels, param_dtype, shard_size, device, backward)
     gather = block.gathers[backward]
     layout = gather.learned = (indices, list(padded_numels), param_dtype, shard_size, shard_group_name)
     gather.pending = False
@@ -501,14 +501,14 @@ def land_late_reductions() -> None:
 
 
 def _frame_block_of(shards: list[torch.Tensor], backward: bool) -> "tuple[BlockFrame | None, tuple[int, ...] | None]":
-    """The registered block whose parameters' shards ``shards`` are (every one of them), its frame
-    entered for this direction's gather, with their indices in its group, or (None, None)."""
+    """The registered block whose shards ``shards`` are (all), entered for this gather or with an all-gather extension (which
+    gathers through the runtime: [Note: all-gather extensions under a whole-model compile] in policy.py), with their indices."""
     if not shards:
         return None, None
     address = shards[0].data_ptr()
     frames = _FRAME_ROOTS.of(address)
     block = frames.blocks_by_shard.get(address) if frames is not None else None
-    if block is None or not block.gathers[backward].pending:
+    if block is None or not (block.gathers[backward].pending or block.state.group.uses_all_gather_extension):
         return None, None
     indices = block.indices_of(shards)
     return (block, indices) if indices is not None else (None, None)

@@ -8,16 +8,21 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Sequence
 
+import torch
 import torch.fx as fx
 
+from fsdp_compile import config
 from fsdp_compile.annotations import BLOCK_FRAME_TOKEN, KEEPS_GATHERED_KEY, PARAM_KEY, STATE_KEY, fsdp_annotation
 from fsdp_compile.compile.trace_context import block_frame_in_trace
 from fsdp_compile.runtime.state import live_states
 
 if TYPE_CHECKING:
+    from fsdp_compile.config import PassConfig
     from fsdp_compile.runtime.param_group import FSDPParamGroup
 
-__all__ = ["settings_refused_when_compiled", "check_parameters_read", "refuse_tensor_parallel_graphs"]
+__all__ = [
+    "settings_refused_when_compiled", "check_parameters_read", "all_gather_extension_refused", "refuse_tensor_parallel_graphs",
+]
 
 # The way out every refusal names; each refused setting's is tested to train as eagerly
 # (test_compiled_settings.py, and the all-gather extension's in test_fsdp2_semantics.py).
@@ -90,14 +95,16 @@ def settings_refused_when_compiled(group: "FSDPParamGroup | None", gathers_throu
     return refused
 
 
-def check_parameters_read(gm: fx.GraphModule) -> None:
+def check_parameters_read(gm: fx.GraphModule, passes: "PassConfig | None" = None) -> None:
     """Before compiling a graph: every live fully_shard state whose parameters it reads learns that
     its model runs compiled (so an eager call into the model later initializes from the root
     instead of failing), and a parameter the graph cannot serve is refused.
 
     Refused: a group's settings that the graph cannot honour (``settings_refused_when_compiled``),
-    and a local shard with FSDP2's all-gather extension (``fsdp_pre_all_gather``): the traced
-    unshard gathers the shard itself and would silently lose the extension.
+    and a local shard with FSDP2's all-gather extension (``fsdp_pre_all_gather``) where the runtime
+    cannot run it ([Note: all-gather extensions under a whole-model compile]): the traced unshard
+    would gather the shard itself and silently lose the extension. ``passes``: the backend's pass
+    configuration (``fsdp_compile.config.passes`` when None).
     """
     annotations = [a for node in gm.graph.nodes if (a := fsdp_annotation(node)) is not None]
     traced = {(a[STATE_KEY], a[PARAM_KEY]) for a in annotations}
@@ -120,18 +127,101 @@ def check_parameters_read(gm: fx.GraphModule) -> None:
                 f"fsdp_inductor: the fully_shard group '{state.group.label}' has settings the compiled graph "
                 "cannot honour: " + "; ".join(refused) + "."
             )
-        for fsdp_param in read:
-            if fsdp_param.uses_all_gather_extension:
-                raise NotImplementedError(
-                    f"fsdp_inductor: '{fsdp_param.fqn}' (group '{state.group.label}') has an all-gather extension "
-                    "(fsdp_pre_all_gather / fsdp_post_all_gather), which a whole-model graph cannot run: its "
-                    "all-gather is one functional op that returns plain tensors and that the passes bucket with "
-                    "the group's other parameters, while the extension is Python on the local shard whose "
-                    "fsdp_post_all_gather may return a tensor subclass (torchao's float8 weights do), and "
-                    "gathering the plain shard instead would silently send other bytes than the extension "
-                    f"asks. {_PER_BLOCK_WAY_OUT} run the extension and each block's graph receives what "
-                    "fsdp_post_all_gather returns; or fsdp_compile.config.skip_fsdp_hooks = True, or the eager runtime."
-                )
+        if state.group.uses_all_gather_extension:
+            refused_extension = _why_extension_is_not_run(state, read, state is block_frame, passes or config.passes)
+            if refused_extension is not None:
+                raise NotImplementedError(all_gather_extension_refused(*refused_extension, state.group.label))
+
+
+# [Note: all-gather extensions under a whole-model compile]
+# FSDP2's all-gather extension (fsdp_pre_all_gather / fsdp_post_all_gather on a local shard, [Note:
+# all-gather extensions] in runtime/param.py) decides what crosses the wire (torchao's float8 training
+# sends fp8, half bf16's bytes) and builds the unsharded parameter from it: Python on the shard, run
+# where the all-gather is issued. A block compiled as a frame (the default) has its all-gather issued
+# by the runtime already (fsdp_compile::frame_all_gather, [Note: prefetch across block frames] in
+# frames.py), so there the runtime runs the extension: for a block whose group has one, the frame op
+# has the group gather as its eager unshard does (FSDPParamGroup.read_gathered: pre_all_gather, the
+# packed all-gather of what it returned, post_all_gather; every parameter of the group, as eagerly)
+# and lays the unsharded parameters out as the plain all-gather's output that the graph's copy-out
+# reads (the reduce-scatter copy-in's layout, undivided), in the parameter dtype, then frees them
+# (frames.py: _gather_in_frame, extension_gathers.gather_through_extensions). The graph is the one
+# it is without the extension (a block with one and a block without share it), so the fake
+# implementation and the backward are unchanged: the gradient of the unsharded parameter is
+# reduce-scattered as without the extension, as in FSDP2. Same collectives as eager; not prefetched
+# by the block before it (its pre_all_gather runs as its own frame gathers). What cannot be run is
+# refused before the graph's first collective (_why_extension_is_not_run): an all-gather that is a
+# graph node (regions, inline, fullgraph=True, a block inside its caller's checkpoint, a group
+# outside blocks, CommPolicy's quantized all-gather); a local shard that is a tensor subclass (the
+# graph would take it apart as an input); one rank (no all-gather in the graph: [Note: no collective
+# over one rank] in ops.py); a rank without rows of a parameter (the frame op could not find the
+# block); set_reshard_after_backward(False) (the runtime keeps plain gathers only); a PassConfig
+# under which the post-grad pass leaves the block's all-gather a graph node (bucket=False, ...). A
+# fsdp_post_all_gather returning a tensor subclass (torchao's Float8Tensor) is refused at the first
+# call, on every rank alike, after the all-gather and before the graph computes on it: a graph
+# input of that op is a plain tensor.
+
+
+def all_gather_extension_refused(fqn: str, why: str, label: str) -> str:
+    """The error for a parameter whose all-gather extension a compiled graph cannot run, ``why`` said."""
+    return (
+        f"fsdp_inductor: '{fqn}' (group '{label}') has an all-gather extension (fsdp_pre_all_gather / "
+        f"fsdp_post_all_gather), which this compiled graph cannot run: {why}. {_PER_BLOCK_WAY_OUT} run the extension "
+        "and each block's graph receives what fsdp_post_all_gather returns; or fsdp_compile.config.skip_fsdp_hooks = True, "
+        "or the eager runtime."
+    )
+
+
+def _why_extension_is_not_run(state: Any, read: list[Any], as_block_frame: bool, passes: "PassConfig") -> tuple[str, str] | None:
+    """``(parameter, why)`` where this graph cannot run the all-gather extension of ``state``'s group
+    (whose parameters ``read`` it reads), or None where the runtime runs it ([Note: all-gather
+    extensions under a whole-model compile])."""
+    group = state.group
+    if not as_block_frame or group.comm_policy.quantizes_all_gather:
+        extended = [p for p in read if p.uses_all_gather_extension]
+        return None if not extended else (extended[0].fqn, (
+            "its all-gather is a node of the graph (blocks compiled as regions or inline: config.block_compile "
+            "\"regions\" or \"inline\", torch.compile(fullgraph=True), a block called inside its caller's checkpoint; a "
+            "group outside blocks, such as the root's; or CommPolicy's quantized all-gather), one functional op on the "
+            "plain shard that the passes bucket with the group's other parameters, while the extension is Python on the "
+            "local shard, and gathering the shard instead would silently send other bytes than the extension asks. "
+            "Blocks compiled as frames (block_compile \"frames\", the default, without fullgraph=True) run it in the "
+            "runtime's all-gather"
+        ))
+    # The frame op runs the whole group's extensions, whichever parameters this graph reads.
+    extended = [p for p in group.fsdp_params if p.uses_all_gather_extension]
+    subclassed = [p for p in extended if type(p.sharded_param._local_tensor) is not torch.Tensor]
+    if subclassed:
+        local = subclassed[0].sharded_param._local_tensor
+        return subclassed[0].fqn, (
+            f"its local shard is a tensor subclass ({type(local).__name__}; torchao's float8 training weights are one), "
+            "which the block frame's graph would take apart as its input, while the runtime's all-gather that runs the "
+            "extension is handed the plain shards"
+        )
+    fqn = extended[0].fqn
+    if group.mesh_info.shard_size == 1:
+        return fqn, (
+            "its group is sharded over one rank, where the graph issues no all-gather ([Note: no collective over one "
+            "rank] in compile/ops.py), so no runtime all-gather is there to run the extension"
+        )
+    if not state._gathers_identifiably_in_frames(state.outermost().root_frames.block(state)):
+        return fqn, (
+            "a parameter of its group has no rows on some rank, so the runtime cannot tell the block by its shards' "
+            "addresses when the graph asks for its all-gather; shard it so every rank holds rows"
+        )
+    if not passes.bucket or passes.bucket_copy == "inductor" or passes.merge_small_groups_bytes:
+        # passes/recompute.gather_frames_through_prefetch hands the runtime a group's one bucket copied in by the
+        # copy-in op; otherwise the all-gather stays a node of the graph and the extension would be lost.
+        return fqn, (
+            "the graph passes are configured (PassConfig bucket=False, bucket_copy=\"inductor\" or "
+            "merge_small_groups_bytes) so that the block's all-gather stays a node of the graph instead of the "
+            "runtime's; keep PassConfig's defaults for these"
+        )
+    if not group.reshard_after_backward:
+        return fqn, (
+            "set_reshard_after_backward(False): what the runtime keeps gathered across a backward for a block frame is "
+            "a plain all-gather, not what the extension builds; leave it True"
+        )
+    return None
 
 
 def refuse_tensor_parallel_graphs(example_inputs: Sequence[Any]) -> None:

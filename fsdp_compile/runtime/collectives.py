@@ -51,7 +51,7 @@ class CollectiveRecord:
     numel: int
     dtype: torch.dtype
     # "forward", "forward-prefetch", "backward", "backward-prefetch", "explicit", "state_dict",
-    # "unshard_params", "unshard_params-grad"
+    # "unshard_params", "unshard_params-grad", "block-frame-forward", "block-frame-backward"
     reason: str
 
     @property

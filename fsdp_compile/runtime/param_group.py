@@ -188,10 +188,15 @@ class FSDPParamGroup:
         return len({p.param_dtype for p in self.fsdp_params}) > 1
 
     @property
+    def uses_all_gather_extension(self) -> bool:
+        """Whether a parameter's local shard has an all-gather extension ([Note: all-gather extensions] in param.py)."""
+        return any(p.uses_all_gather_extension for p in self.fsdp_params)
+
+    @property
     def needs_packed_all_gather(self) -> bool:
         """Whether the all-gather sends bytes: an all-gather extension, or several dtypes (see
         [Note: frozen parameters of another dtype])."""
-        return self.gathers_several_dtypes or any(p.uses_all_gather_extension for p in self.fsdp_params)
+        return self.gathers_several_dtypes or self.uses_all_gather_extension
 
     # --- unshard / reshard ----------------------------------------------------------------------
     @property
@@ -302,6 +307,27 @@ class FSDPParamGroup:
             return False
         self._pending_all_gather = collectives.PendingAllGather(None, gathered, self.label, None, False)
         return True
+
+    @_eager_only
+    def read_gathered(self, read: Callable[[list[FSDPParam]], torch.Tensor], reason: str) -> torch.Tensor:
+        """``read(self.fsdp_params)`` while the parameters hold what this group's unshard gathers (its
+        all-gather extensions run, as in [Note: all-gather extensions] in param.py), not exposed on the
+        modules, freed again after: for a caller that hands the gathered values on. ``reason`` names
+        the all-gather in ``record_collectives`` and picks its streams (a reason that is not an
+        overlapped one keeps it on the current stream). A group already unsharded or gathering (an
+        explicit ``unshard()``) is waited on and read as it is, as its next forward would."""
+        if self.is_unsharded or self._pending_all_gather is not None:
+            self.wait_for_unshard()
+            return read(self.fsdp_params)
+        self.unshard(reason)
+        pending, self._pending_all_gather = self._pending_all_gather, None
+        assert pending is not None
+        try:
+            self.comm.after_copy_out(self._copy_out(pending), False)
+            return read(self.fsdp_params)
+        finally:
+            for fsdp_param in self.fsdp_params:
+                fsdp_param.free_unsharded()
 
     @_eager_only
     def wait_for_unshard(self) -> None:
