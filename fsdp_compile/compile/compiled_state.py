@@ -63,14 +63,6 @@ def _gather_group_in_a_graph(state: "CompiledFSDPState") -> list[torch.Tensor]:
 # the restart. Same frames, same graphs, one trace of the prefix fewer. Only where the trace may break
 # (not under fullgraph=True, nor inside a caller's higher-order op) and only our backends' traces,
 # where blocks are frames.
-def _call_forward(module: nn.Module, fsdp_class: type, args: tuple, kwargs: dict) -> Any:
-    return super(fsdp_class, module).forward(*args, **kwargs)
-
-
-torch._dynamo.eval_frame.skip_code(_call_forward.__code__)
-forward_in_a_frame_of_its_own = torch._dynamo.disable(_call_forward, recursive=False)
-
-
 class CompiledFSDPState(BlockFrameFSDPState, FSDPState):
     """An ``FSDPState`` whose module may run under torch.compile (every state ``fully_shard`` builds)."""
 
@@ -144,6 +136,11 @@ class CompiledFSDPState(BlockFrameFSDPState, FSDPState):
             not self.is_leaf and blocks_as_frames_in_this_trace() and traced_for_an_fsdp_backend()
             and not traced_in_a_callers_higher_order_op()
         )
+
+    @staticmethod
+    def _call_forward(module: nn.Module, fsdp_class: type, args: tuple, kwargs: dict) -> Any:
+        """``module``'s own forward (the class under ``fsdp_class``), called by ``forward_in_a_frame_of_its_own``."""
+        return super(fsdp_class, module).forward(*args, **kwargs)
 
     def _is_block(self) -> bool:
         """A fully_shard module inside another, with none inside it and one module in its group, not
@@ -372,3 +369,6 @@ class CompiledFSDPState(BlockFrameFSDPState, FSDPState):
 # block frames].
 torch._dynamo.eval_frame.skip_code(CompiledFSDPState._pre_forward_hook.__code__)
 torch._dynamo.eval_frame.skip_code(CompiledFSDPState._post_forward_hook.__code__)
+# [Note: a forward that breaks at its blocks' frames]
+torch._dynamo.eval_frame.skip_code(CompiledFSDPState._call_forward.__code__)
+forward_in_a_frame_of_its_own = torch._dynamo.disable(CompiledFSDPState._call_forward, recursive=False)
