@@ -20,13 +20,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from fsdp_compile import config
 from fsdp_compile.api import BackwardPrefetch, CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from fsdp_compile.compile import torch_patches
-from fsdp_compile.compile.compiled_state import CompiledFSDPState
+from fsdp_compile.compile.compiled_state import CompiledFSDPState, forward_in_a_frame_of_its_own
 from fsdp_compile.compile.graph_check import EAGER_FRAME_MARK
 from fsdp_compile.compile.param_reads import install_traced_param_access
 from fsdp_compile.compile.per_block import compile_blocks_forward_alone, compile_forward_alone, compiled_before_sharding
 from fsdp_compile.compile.regions import (
-    COMPOSABLE_CHECKPOINT_ATTR, checkpointed, may_checkpoint_itself, reuse_marker, take_over_composable_checkpoint,
-    takes_flat_arguments,
+    COMPOSABLE_CHECKPOINT_ATTR, checkpointed, may_checkpoint_itself, reuse_marker, take_over_composable_checkpoint, takes_flat_arguments,
 )
 from fsdp_compile.compile.torch_patches import fsdp_frames_recompile_limit_reached
 from fsdp_compile.compile.trace_context import inside_a_compiled_call, traced_in_a_block_call_frame
@@ -92,6 +91,8 @@ class FSDPModule:
                 if takes_flat_arguments(args, kwargs):  # [Note: a block region's flat arguments] in compile/regions.py
                     return _flat_block_region(self, len(unsharded), *unsharded, *args)
                 return _block_region(self, unsharded, args, kwargs, reuse_marker(args, kwargs))
+            if state.forward_breaks_at_inner_block_frames:  # [Note: a forward that breaks at its blocks' frames] in compile/compiled_state.py
+                return forward_in_a_frame_of_its_own(self, FSDPModule, args, kwargs)
         elif self._fsdp_state().runs_eagerly_inside_compiled_model():
             return self._forward_with_eager_hooks(args, kwargs)
         return super().forward(*args, **kwargs)  # type: ignore[misc]

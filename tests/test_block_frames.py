@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import os
 import warnings
 
 import pytest
@@ -631,3 +632,47 @@ def test_a_root_parameter_read_after_a_compiled_forward_is_the_parameter_with_it
     # of the ranks' 1 and 2), not an unsharded tensor without one.
     result = dist.run(2, _root_parameter_read_after_a_compiled_forward)[0]
     assert result == {"parameter": True, "grad": [1.5] * 4}, result
+
+
+# The traces that reached the root's own forward, each named by the file of the frame Dynamo traced.
+_traces_of_root_forward: list[str] = []
+
+
+@torch._dynamo.assume_constant_result
+def _note_trace_of_root_forward() -> bool:
+    """Called by Dynamo as it traces the root's forward (kept as a constant), eagerly otherwise."""
+    from fsdp_compile.compile.trace_context import _dynamo_tracer
+
+    tracer = _dynamo_tracer()
+    if tracer is not None:
+        _traces_of_root_forward.append(tracer.output.root_tx.f_code.co_filename)
+    return True
+
+
+class _NotedTransformer(Transformer):
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        _note_trace_of_root_forward()
+        return super().forward(tokens)
+
+
+def _traces_reaching_the_root_forward() -> dict:
+    torch._dynamo.reset()
+    _traces_of_root_forward.clear()
+    torch.manual_seed(0)
+    reference = _NotedTransformer(TransformerConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, max_seq_len=16))
+    eager, compiled = _shard(copy.deepcopy(reference), MixedPrecisionPolicy()), _shard(copy.deepcopy(reference), MixedPrecisionPolicy())
+    with block_compile_mode("frames"):
+        compiled_losses = _train(torch.compile(compiled, backend="fsdp_aot_eager"), 2, seed=7)
+    return {
+        "traced_from": [os.path.basename(path) for path in _traces_of_root_forward],
+        "compiled_losses": compiled_losses, "eager_losses": _train(eager, 2, seed=7), "param_gap": _param_gap(eager, compiled),
+    }
+
+
+def test_the_roots_frame_breaks_at_its_forwards_call_without_tracing_into_it(dist):
+    # [Note: a forward that breaks at its blocks' frames]: the frame of FSDPModule.forward (module.py)
+    # breaks where it calls the root's forward, so only the frame of that forward traces it (Dynamo
+    # gives up on it at the blocks' calls in its loop, and runs it eagerly); it trains as eagerly.
+    result = dist.run(2, _traces_reaching_the_root_forward)[0]
+    assert set(result["traced_from"]) == {"test_block_frames.py"}, result
+    _assert_trains_like_eager(result, 1e-5)

@@ -31,7 +31,7 @@ from fsdp_compile.runtime.state import FSDPState
 if TYPE_CHECKING:
     from fsdp_compile.runtime.param import FSDPParam
 
-__all__ = ["CompiledFSDPState"]
+__all__ = ["CompiledFSDPState", "forward_in_a_frame_of_its_own"]
 
 _trace_tokens = itertools.count()
 
@@ -49,6 +49,20 @@ def _gather_group_in_a_graph(state: "CompiledFSDPState") -> list[torch.Tensor]:
     return state.traced_unshard(group.fsdp_params)
 
 
+# [Note: a forward that breaks at its blocks' frames]
+# Under block frames, the forward of a fully_shard module with blocks inside (the root) breaks at its
+# first block's call. Traced from FSDPModule.forward, that break lies inside the user's forward (and the
+# functions it calls: Hugging Face's LlamaForCausalLM -> LlamaModel -> its loop over the layers), so
+# Dynamo first traces everything down to the first block (the embedding, the root group's unshard, the
+# causal mask, the rotary table), then learns the break is nested, restarts, and breaks at the call of
+# the user's forward: a whole trace of the model's prefix, thrown away, in the frame of FSDPModule.forward
+# (and again in each user frame the break bubbles up through, which is the user's structure, not
+# ours). The graph of that frame holds nothing either way; its break only comes late. So that call is
+# made through a function Dynamo does not trace (torch._dynamo.disable(recursive=False), its own frame
+# skipped too): the break comes at once, and the user's forward is a frame of its own, as it was after
+# the restart. Same frames, same graphs, one trace of the prefix fewer. Only where the trace may break
+# (not under fullgraph=True, nor inside a caller's higher-order op) and only our backends' traces,
+# where blocks are frames.
 class CompiledFSDPState(BlockFrameFSDPState, FSDPState):
     """An ``FSDPState`` whose module may run under torch.compile (every state ``fully_shard`` builds)."""
 
@@ -112,6 +126,21 @@ class CompiledFSDPState(BlockFrameFSDPState, FSDPState):
             blocks_as_frames_in_this_trace() and self._is_block() and traced_for_an_fsdp_backend()
             and not traced_in_a_callers_higher_order_op()
         )
+
+    @property
+    def forward_breaks_at_inner_block_frames(self) -> bool:
+        """Whether this module's forward, with fully_shard modules inside it, is traced as a frame of
+        its own from its first line (``forward_in_a_frame_of_its_own``): blocks inside it compile as
+        frames, so its trace breaks anyway ([Note: a forward that breaks at its blocks' frames])."""
+        return (
+            not self.is_leaf and blocks_as_frames_in_this_trace() and traced_for_an_fsdp_backend()
+            and not traced_in_a_callers_higher_order_op()
+        )
+
+    @staticmethod
+    def _call_forward(module: nn.Module, fsdp_class: type, args: tuple, kwargs: dict) -> Any:
+        """``module``'s own forward (the class under ``fsdp_class``), called by ``forward_in_a_frame_of_its_own``."""
+        return super(fsdp_class, module).forward(*args, **kwargs)
 
     def _is_block(self) -> bool:
         """A fully_shard module inside another, with none inside it and one module in its group, not
@@ -340,3 +369,6 @@ class CompiledFSDPState(BlockFrameFSDPState, FSDPState):
 # block frames].
 torch._dynamo.eval_frame.skip_code(CompiledFSDPState._pre_forward_hook.__code__)
 torch._dynamo.eval_frame.skip_code(CompiledFSDPState._post_forward_hook.__code__)
+# [Note: a forward that breaks at its blocks' frames]
+torch._dynamo.eval_frame.skip_code(CompiledFSDPState._call_forward.__code__)
+forward_in_a_frame_of_its_own = torch._dynamo.disable(CompiledFSDPState._call_forward, recursive=False)
