@@ -854,14 +854,24 @@ def _jvp_then_backward(reshard_after_forward: bool):
         shard(model.a, reshard_after_forward=reshard_after_forward)
         shard(model, reshard_after_forward=reshard_after_forward)
     x, tangent = torch.randn(4, DIM), torch.randn(4, DIM)
-    for model in (ours, theirs, reference):
+
+    def jvp_then_backward(model: nn.Module) -> None:
         output, output_tangent = torch.func.jvp(model, (x,), (tangent,))
         (output.pow(2).mean() + output_tangent.pow(2).mean()).backward()
+
+    for model in (ours, reference):
+        jvp_then_backward(model)
+    fsdp2_error = None
+    try:
+        jvp_then_backward(theirs)
+    except NotImplementedError as error:  # the test asserts which torch may do this, and why
+        fsdp2_error = str(error)
     grads = [p.grad for p in ours.parameters()]
     return {
         "grad_types": sorted({type(g).__name__ for g in grads}),
         "vs_reference": max_difference(_full_grads(ours), [p.grad for p in reference.parameters()]),
-        "vs_fsdp2": max_difference(_full_grads(ours), _full_grads(theirs)),
+        "vs_fsdp2": None if fsdp2_error else max_difference(_full_grads(ours), _full_grads(theirs)),
+        "fsdp2_error": fsdp2_error,
     }
 
 
@@ -870,7 +880,13 @@ def test_backward_through_torch_func_jvp_outputs_reduces_every_gradient(dist, re
     result = dist.run(2, _jvp_then_backward, reshard_after_forward)[0]
     assert result["grad_types"] == ["DTensor"], "gradients must be reduced into the sharded parameters"
     assert result["vs_reference"] < 1e-6
-    assert result["vs_fsdp2"] < 1e-6
+    if result["fsdp2_error"] is not None:
+        # torch 2.11's FSDP2 itself fails here: its all-gather output is a functorch TensorWrapper under
+        # jvp, whose storage it cannot access. 2.13's and 2.14.1's run, and there ours must agree with it.
+        assert torch.torch_version.TorchVersion(torch.__version__) < (2, 13), result["fsdp2_error"]
+        assert "Cannot access storage of TensorWrapper" in result["fsdp2_error"]
+    else:
+        assert result["vs_fsdp2"] < 1e-6
 
 
 def _jvp_reading_a_tensor_that_requires_grad():

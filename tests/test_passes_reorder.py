@@ -17,7 +17,7 @@ from fsdp_compile.passes.graph import (
     ALL_GATHER, ALL_REDUCE, COLLECTIVES, FRAME_GATHER, GROUP_KEY, REDUCE_SCATTER, WAIT, collective_bytes, collective_nodes,
     fsdp_annotation, inflight_bytes, inflight_collectives, max_inflight_bytes, pass_counters,
 )
-from test_passes_bucket import CONFIG, _graphs, _trace
+from test_passes_bucket import CONFIG, _graphs, _trace, _program
 
 _SHORT = {ALL_GATHER: "AG", REDUCE_SCATTER: "RS"}
 
@@ -135,8 +135,9 @@ def test_the_same_graph_yields_the_same_schedule(fake_world):
     # Two traces: the shared one (passes on a copy) and a new one, reordered by the backend.
     first, first_backward = _graphs(config)
     _, second, second_backward = _trace(config)
-    assert first.code == second.code
-    assert first_backward.code == second_backward.code
+    # Compared without names: see [Note: graphs compared without names] in test_passes_bucket.py.
+    assert _program(first) == _program(second)
+    assert _program(first_backward) == _program(second_backward)
 
 
 def _hsdp_graphs(passes: PassConfig):
