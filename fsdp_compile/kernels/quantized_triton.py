@@ -317,10 +317,10 @@ def _sum_rows_copy_out_kernel(
     received_ptr,
     own_ptr,
     own_rank,
-    world,
     total,
     divisor,
     reciprocal,
+    WORLD: tl.constexpr,
     SRC: tl.constexpr,
     DST: tl.constexpr,
     HAS_OWN: tl.constexpr,
@@ -351,7 +351,9 @@ def _sum_rows_copy_out_kernel(
     if HAS_OWN:
         own = tl.load(own_ptr + offset + columns, mask=mask, other=0.0)
         summed = tl.where(own_rank == 0, own, summed)
-    for row in range(1, world):
+    # WORLD is a constexpr (one kernel per world size, fixed in a job): Triton 3.6's interpreter
+    # with numpy 2.4 cannot take a runtime scalar as a loop bound (TypeError in its __index__).
+    for row in range(1, WORLD):
         source += total
         value = _bits_to_f32(_load_bits(source, mask, SRC), SRC)
         if HAS_OWN:
@@ -398,10 +400,10 @@ def sum_rows_copy_out(
         # tensor's null) keeps the launcher's pointer check on CUDA satisfied.
         own_row if own_row is not None else received,
         own_rank,
-        world,
         total,
         divisor,
         reciprocal,
+        WORLD=world,
         SRC=_DTYPE_CODES[src],
         DST=_DTYPE_CODES[dst],
         HAS_OWN=own_row is not None,
