@@ -277,7 +277,8 @@ def max_inflight_bytes(graph: fx.Graph) -> int:
 
 # [Note: a pass that gives up]
 # A pass that cannot rewrite (part of) a graph leaves it as it found it: the result is still
-# correct, only slower. So that this never goes unnoticed, each such place calls ``give_up``,
+# correct, only slower (but for a block frame's all-gather under an all-gather extension, which the
+# backend then refuses: compile/policy.py). So that this never goes unnoticed, each such place calls ``give_up``,
 # which logs why and counts it in ``pass_counters["<pass>.gave_up"]`` (a process-wide tally, as
 # Inductor's ``torch._dynamo.utils.counters``); the pass tests assert it stays zero on the
 # models we ship.

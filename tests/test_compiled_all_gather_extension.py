@@ -137,8 +137,15 @@ def test_blocks_with_an_fp8_all_gather_extension_train_compiled_as_eagerly_sendi
     assert _gap(eager["params"], plain["params"]) > 1e-3
 
 
-def _refused(post_subclass: bool, mode: str = "frames", reshard_after_backward: bool = True, bucket: bool = True) -> dict:
+def _refused(
+    post_subclass: bool, mode: str = "frames", reshard_after_backward: bool = True, bucket: bool = True, frame_gathers: bool = True,
+) -> dict:
     torch._dynamo.reset()
+    if not frame_gathers:  # as if a pass gave up on the block's all-gather: left a node of the graph
+        monkeypatch = pytest.MonkeyPatch()
+        monkeypatch.setattr("fsdp_compile.passes.recompute.gather_frames_through_prefetch", lambda graph, backward: 0)
+    else:
+        monkeypatch = None
     model = _sharded_model(False)
     bind_all_gather_extension(model, _subclass_post_all_gather if post_subclass else _fp8_post_all_gather)
     model.set_reshard_after_backward(reshard_after_backward)
@@ -151,6 +158,8 @@ def _refused(post_subclass: bool, mode: str = "frames", reshard_after_backward: 
         return {"error": str(error)}
     finally:
         fsdp_compile.config.passes = passes
+        if monkeypatch is not None:
+            monkeypatch.undo()
     return {}
 
 
@@ -188,3 +197,12 @@ def test_an_all_gather_extension_is_refused_where_the_passes_leave_a_block_frame
         message = result.get("error", "")
         _check_refusal_names_the_parameter_and_the_way_out(message)
         assert "PassConfig bucket=False" in message, message
+
+
+def test_an_all_gather_extension_is_refused_where_a_pass_gave_up_on_a_block_frames_all_gather(dist):
+    """A pass that gives up leaves a graph correct but slower ([Note: a pass that gives up]), except that
+    a block's all-gather left in the graph would gather the plain shards past the extension."""
+    for result in dist.run(2, _refused, False, "frames", True, True, False):
+        message = result.get("error", "")
+        _check_refusal_names_the_parameter_and_the_way_out(message)
+        assert "a graph pass left a block frame's all-gather" in message, message

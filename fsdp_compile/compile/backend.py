@@ -24,7 +24,7 @@ from fsdp_compile.compile import ops, param_reads, torch_patches
 from fsdp_compile.compile.frames import gradient_holder, land_late_reductions
 from fsdp_compile.compile.graph_check import check_collectives_match_across_ranks
 from fsdp_compile.compile.ops import TRACED_OP_DECOMPOSITIONS
-from fsdp_compile.compile.policy import check_parameters_read, refuse_tensor_parallel_graphs
+from fsdp_compile.compile.policy import check_parameters_read, refuse_block_frame_gathers_left_with_extensions, refuse_tensor_parallel_graphs
 from fsdp_compile.compile.trace_context import mark_fsdp_backend
 from fsdp_compile.compile.torch_patches import region_schemas_kept
 from fsdp_compile.compile.unreached import GradientDelivery, forget_unreached_gradients, output_reach
@@ -242,6 +242,7 @@ class _PostGradPasses(CustomGraphPass):
 
         gm = graph.owning_module
         apply_post_grad_passes(gm, self.config)
+        refuse_block_frame_gathers_left_with_extensions(gm)
         _notify(_kind(gm), gm)
 
     def uuid(self) -> Any:
@@ -474,6 +475,7 @@ def fsdp_aot_eager(
     def run_eagerly(kind: str) -> Callable[[fx.GraphModule, Any], Any]:
         def compiler(graph: fx.GraphModule, inputs: Any) -> Any:
             graph = apply_post_grad_passes(graph, pass_config)
+            refuse_block_frame_gathers_left_with_extensions(graph)
             _notify(kind, graph)
             return make_boxed_func(graph.forward)
 

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "settings_refused_when_compiled", "check_parameters_read", "all_gather_extension_refused", "refuse_tensor_parallel_graphs",
+    "refuse_block_frame_gathers_left_with_extensions",
 ]
 
 # The way out every refusal names; each refused setting's is tested to train as eagerly
@@ -222,6 +223,27 @@ def _why_extension_is_not_run(state: Any, read: list[Any], as_block_frame: bool,
             "a plain all-gather, not what the extension builds; leave it True"
         )
     return None
+
+
+def refuse_block_frame_gathers_left_with_extensions(gm: fx.GraphModule) -> None:
+    """After the post-grad passes: a block frame's all-gather they left a node of the graph (a pass that
+    gave up, which logs it) gathers the plain shards, where the runtime would have run an all-gather
+    extension. One graph serves every block of its structure, so while any live group has an extension
+    such a graph is refused, before it runs ([Note: all-gather extensions under a whole-model compile])."""
+    left = [
+        node for node in gm.graph.find_nodes(op="call_function", target=torch.ops._c10d_functional.all_gather_into_tensor.default)
+        if (annotation := fsdp_annotation(node)) is not None and annotation.get(STATE_KEY) == BLOCK_FRAME_TOKEN
+    ]
+    if not left:
+        return
+    for state in live_states():
+        extended = [p for p in state.group.fsdp_params if p.uses_all_gather_extension] if state.group is not None else []
+        if extended:
+            raise NotImplementedError(all_gather_extension_refused(extended[0].fqn, (
+                f"a graph pass left a block frame's all-gather ({left[0].name}) a node of the graph (it gave up: see the "
+                "fsdp_compile.passes warning), which gathers the plain shards of every block of its structure instead of "
+                "the runtime running the extension"
+            ), state.group.label))
 
 
 def refuse_tensor_parallel_graphs(example_inputs: Sequence[Any]) -> None:
