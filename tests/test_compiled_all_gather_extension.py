@@ -70,15 +70,18 @@ def _sharded_model(extension: bool) -> BlocksNet:
     return model
 
 
-def _train(mode: str, extension: bool) -> dict:
+def _train(mode: str, extension: bool, unshard_first: bool = False) -> dict:
     """``STEPS`` Adam steps of BlocksNet, eagerly (``mode`` "eager") or compiled with the backend ``mode``:
     per step the collectives and the bytes handed to them; the packed all-gathers by group and reason;
-    Dynamo's graphs, the modules that ran eagerly, the parameters after."""
+    Dynamo's graphs, the modules that ran eagerly, the parameters after. ``unshard_first``: an explicit
+    ``unshard()`` of an extended block before the first step."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     model = _sharded_model(extension)
     runner = model if mode == "eager" else torch.compile(model, backend=mode)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    if unshard_first:
+        model.blocks[EXTENDED_BLOCKS[0]].unshard()
     generator = torch.Generator().manual_seed(10 + dist.get_rank())
     result: dict = {"collectives": [], "wire_bytes": []}
     with warnings.catch_warnings(record=True) as caught, observe_graphs() as graphs, fsdp_compile.record_collectives() as log:
@@ -137,6 +140,19 @@ def test_blocks_with_an_fp8_all_gather_extension_train_compiled_as_eagerly_sendi
     assert _gap(eager["params"], plain["params"]) > 1e-3
 
 
+def _explicit_unshard_runs() -> dict:
+    return {"eager": _train("eager", True, unshard_first=True), "compiled": _train("fsdp_aot_eager", True, unshard_first=True)}
+
+
+def test_an_explicit_unshard_before_a_compiled_step_is_read_once_then_resharded(dist):
+    # The block frame reads what the explicit unshard gathered, then reshards: were the group left
+    # unsharded, every later step would read its parameters from before the optimizer's steps.
+    runs = dist.run(2, _explicit_unshard_runs)[0]
+    assert runs["compiled"]["run_eagerly"] == [], runs["compiled"]["run_eagerly"]
+    assert runs["compiled"]["collectives"] == runs["eager"]["collectives"], runs
+    assert _gap(runs["compiled"]["params"], runs["eager"]["params"]) == 0.0
+
+
 def _refused(
     post_subclass: bool, mode: str = "frames", reshard_after_backward: bool = True, bucket: bool = True, frame_gathers: bool = True,
 ) -> dict:
@@ -149,15 +165,12 @@ def _refused(
     model = _sharded_model(False)
     bind_all_gather_extension(model, _subclass_post_all_gather if post_subclass else _fp8_post_all_gather)
     model.set_reshard_after_backward(reshard_after_backward)
-    passes = fsdp_compile.config.passes
-    fsdp_compile.config.passes = fsdp_compile.config.PassConfig(bucket=bucket)
     try:
-        with block_compile_mode(mode):
+        with block_compile_mode(mode, passes=fsdp_compile.config.PassConfig(bucket=bucket)):
             torch.compile(model, backend="fsdp_aot_eager")(torch.randn(4, 8)).sum().backward()
     except Exception as error:  # noqa: BLE001 - Dynamo may wrap backend errors
         return {"error": str(error)}
     finally:
-        fsdp_compile.config.passes = passes
         if monkeypatch is not None:
             monkeypatch.undo()
     return {}

@@ -28,6 +28,7 @@ from fsdp_compile.compile.policy import check_parameters_read, refuse_block_fram
 from fsdp_compile.compile.trace_context import mark_fsdp_backend
 from fsdp_compile.compile.torch_patches import region_schemas_kept
 from fsdp_compile.compile.unreached import GradientDelivery, forget_unreached_gradients, output_reach
+from fsdp_compile.runtime.state import live_states
 
 __all__ = ["fsdp_inductor", "fsdp_inductor_with", "fsdp_aot_eager", "observe_graphs"]
 
@@ -232,10 +233,15 @@ def _traced_code_version() -> str:
 class _PostGradPasses(CustomGraphPass):
     """Inductor post-grad hook running ``passes.bucket`` / ``passes.reorder`` on the forward and the
     (possibly lazily compiled) backward; the config is captured when the backend is called, and the
-    uuid carries it so a cached graph compiled under other knobs is never reused."""
+    uuid carries it so a cached graph compiled under other knobs is never reused. It carries whether a
+    live group has an all-gather extension too: a cache hit runs no pass, so no refusal after them
+    (``refuse_block_frame_gathers_left_with_extensions``), and a graph is the same with or without one."""
 
     def __init__(self, config: Any) -> None:
         self.config = config
+        self.extensions_live = any(
+            state.group is not None and state.group.uses_all_gather_extension for state in live_states()
+        )
 
     def __call__(self, graph: fx.Graph) -> None:
         from fsdp_compile.passes import apply_post_grad_passes
@@ -246,7 +252,7 @@ class _PostGradPasses(CustomGraphPass):
         _notify(_kind(gm), gm)
 
     def uuid(self) -> Any:
-        return f"{_POST_GRAD_VERSION}:{self.config!r}"
+        return f"{_POST_GRAD_VERSION}:{self.config!r}:extensions={self.extensions_live}"
 
 
 def _kind(gm: fx.GraphModule) -> str:

@@ -45,7 +45,8 @@ def gather_through_extensions(
         with torch.no_grad():
             # The inverse of the graph's copy-out: the reduce-scatter copy-in's layout, undivided.
             ops.reduce_scatter_copy_in(
-                [p.layout.to_dim0(value) for p, value in zip(chosen, unsharded)], list(padded_numels), rows, 1.0,
+                # A parameter sharded on a dim > 0 is a moved-dim view here; the copy-in takes contiguous inputs.
+                [p.layout.to_dim0(value).contiguous() for p, value in zip(chosen, unsharded)], list(padded_numels), rows, 1.0,
             )
         return rows.view(-1)
 

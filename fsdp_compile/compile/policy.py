@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 
 from fsdp_compile import config
-from fsdp_compile.annotations import BLOCK_FRAME_TOKEN, KEEPS_GATHERED_KEY, PARAM_KEY, STATE_KEY, fsdp_annotation
+from fsdp_compile.annotations import BLOCK_FRAME_TOKEN, GROUP_KEY, KEEPS_GATHERED_KEY, PARAM_KEY, STATE_KEY, fsdp_annotation
 from fsdp_compile.compile.trace_context import block_frame_in_trace
 from fsdp_compile.runtime.state import live_states
 
@@ -228,21 +228,23 @@ def _why_extension_is_not_run(state: Any, read: list[Any], as_block_frame: bool,
 def refuse_block_frame_gathers_left_with_extensions(gm: fx.GraphModule) -> None:
     """After the post-grad passes: a block frame's all-gather they left a node of the graph (a pass that
     gave up, which logs it) gathers the plain shards, where the runtime would have run an all-gather
-    extension. One graph serves every block of its structure, so while any live group has an extension
-    such a graph is refused, before it runs ([Note: all-gather extensions under a whole-model compile])."""
-    left = [
-        node for node in gm.graph.find_nodes(op="call_function", target=torch.ops._c10d_functional.all_gather_into_tensor.default)
+    extension. One graph serves every block of its structure (its frame label), so while a live block of
+    that structure has an extension such a graph is refused, before it runs ([Note: all-gather
+    extensions under a whole-model compile])."""
+    left = {
+        annotation.get(GROUP_KEY): node.name
+        for node in gm.graph.find_nodes(op="call_function", target=torch.ops._c10d_functional.all_gather_into_tensor.default)
         if (annotation := fsdp_annotation(node)) is not None and annotation.get(STATE_KEY) == BLOCK_FRAME_TOKEN
-    ]
-    if not left:
-        return
+    }
     for state in live_states():
-        extended = [p for p in state.group.fsdp_params if p.uses_all_gather_extension] if state.group is not None else []
+        if state.group is None or getattr(state, "frame_label", None) not in left:
+            continue
+        extended = [p for p in state.group.fsdp_params if p.uses_all_gather_extension]
         if extended:
             raise NotImplementedError(all_gather_extension_refused(extended[0].fqn, (
-                f"a graph pass left a block frame's all-gather ({left[0].name}) a node of the graph (it gave up: see the "
-                "fsdp_compile.passes warning), which gathers the plain shards of every block of its structure instead of "
-                "the runtime running the extension"
+                f"a graph pass left a block frame's all-gather ({left[state.frame_label]}) a node of the graph (it gave "
+                "up: see the fsdp_compile.passes warning), which gathers the plain shards of every block of its structure "
+                "instead of the runtime running the extension"
             ), state.group.label))
 
 

@@ -315,10 +315,15 @@ class FSDPParamGroup:
         modules, freed again after: for a caller that hands the gathered values on. ``reason`` names
         the all-gather in ``record_collectives`` and picks its streams (a reason that is not an
         overlapped one keeps it on the current stream). A group already unsharded or gathering (an
-        explicit ``unshard()``) is waited on and read as it is, as its next forward would."""
+        explicit ``unshard()``) is waited on, read as it is, as its next forward would, and resharded:
+        no post-forward hook runs after the caller's graph to do it, and a group left unsharded would
+        serve its values from before the next optimizer step."""
         if self.is_unsharded or self._pending_all_gather is not None:
             self.wait_for_unshard()
-            return read(self.fsdp_params)
+            try:
+                return read(self.fsdp_params)
+            finally:
+                self.reshard()
         self.unshard(reason)
         pending, self._pending_all_gather = self._pending_all_gather, None
         assert pending is not None
