@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fsdp_compile.compile.policy import all_gather_extension_refused
+from fsdp_compile.compile.policy import KEPT_GATHER_LOSES_THE_EXTENSION, all_gather_extension_refused
 from fsdp_compile.kernels import ops
 
 if TYPE_CHECKING:
@@ -30,9 +30,7 @@ def gather_through_extensions(
     assert group is not None
     if not group.reshard_after_backward:  # set after the graph was admitted, which never reads it
         raise NotImplementedError(all_gather_extension_refused(
-            next(p.fqn for p in group.fsdp_params if p.uses_all_gather_extension),
-            "set_reshard_after_backward(False): what the runtime keeps gathered across a backward for a block frame "
-            "is a plain all-gather, not what the extension builds; leave it True", group.label,
+            next(p.fqn for p in group.fsdp_params if p.uses_all_gather_extension), KEPT_GATHER_LOSES_THE_EXTENSION, group.label,
         ))
     gather = block.gathers[backward]
     gather.pending, gather.learned = False, None

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "settings_refused_when_compiled", "check_parameters_read", "all_gather_extension_refused", "refuse_tensor_parallel_graphs",
-    "refuse_block_frame_gathers_left_with_extensions",
+    "refuse_block_frame_gathers_left_with_extensions", "KEPT_GATHER_LOSES_THE_EXTENSION",
 ]
 
 # The way out every refusal names; each refused setting's is tested to train as eagerly
@@ -162,6 +162,14 @@ def check_parameters_read(gm: fx.GraphModule, passes: "PassConfig | None" = None
 # input of that op is a plain tensor.
 
 
+# Why set_reshard_after_backward(False) is refused with an extension: checked before the graph is
+# admitted, and again by the frame op when it is set after (extension_gathers.py).
+KEPT_GATHER_LOSES_THE_EXTENSION = (
+    "set_reshard_after_backward(False): what the runtime keeps gathered across a backward for a block frame is "
+    "a plain all-gather, not what the extension builds; leave it True"
+)
+
+
 def all_gather_extension_refused(fqn: str, why: str, label: str) -> str:
     """The error for a parameter whose all-gather extension a compiled graph cannot run, ``why`` said."""
     return (
@@ -218,10 +226,7 @@ def _why_extension_is_not_run(state: Any, read: list[Any], as_block_frame: bool,
             "runtime's; keep PassConfig's defaults for these"
         )
     if not group.reshard_after_backward:
-        return fqn, (
-            "set_reshard_after_backward(False): what the runtime keeps gathered across a backward for a block frame is "
-            "a plain all-gather, not what the extension builds; leave it True"
-        )
+        return fqn, KEPT_GATHER_LOSES_THE_EXTENSION
     return None
 
 
@@ -231,9 +236,11 @@ def refuse_block_frame_gathers_left_with_extensions(gm: fx.GraphModule) -> None:
     extension. One graph serves every block of its structure (its frame label), so while a live block of
     that structure has an extension such a graph is refused, before it runs ([Note: all-gather
     extensions under a whole-model compile])."""
+    from fsdp_compile.passes.graph import ALL_GATHER  # the passes' vocabulary, imported where used, as the backend does
+
     left = {
         annotation.get(GROUP_KEY): node.name
-        for node in gm.graph.find_nodes(op="call_function", target=torch.ops._c10d_functional.all_gather_into_tensor.default)
+        for node in gm.graph.find_nodes(op="call_function", target=ALL_GATHER)
         if (annotation := fsdp_annotation(node)) is not None and annotation.get(STATE_KEY) == BLOCK_FRAME_TOKEN
     }
     for state in live_states():
