@@ -115,7 +115,11 @@ modes (all run in one process per rank, interleaved step by step: A B C A B C ..
   ours-compiled-bucket    ours-compiled with PassConfig(reorder=False): one collective per
                           group, each waited on at once
   ours-compiled-nopasses  ours-compiled with PassConfig(bucket=False, reorder=False): the traced
-                          per-parameter collectives
+                          per-parameter collectives, a block's forward and backward all-gathers and
+                          its reduce-scatters one per parameter, none prefetched across frames (2
+                          layers: 38/20 a step); the root's too, unless Dynamo runs its first read
+                          eagerly, as once ours-fallback ran in the process: it then gathers in a
+                          graph of its own, which fsdp_compile.config.passes buckets (37/19)
 A mode that fails to build or to run its first step is reported as "unavailable: <reason>";
 the others still run. Before any mode, a trivial torch.compile pays Inductor's one-time
 start-up, so no compiled mode is charged for it (its time is in the JSON and results.md).

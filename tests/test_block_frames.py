@@ -538,6 +538,40 @@ def test_block_frames_train_like_eager_with_the_bucket_and_reorder_passes_off(di
     assert result["grad_gap"] < 1e-5, result
 
 
+def _collectives_per_step_with_the_passes_off() -> dict:
+    torch._dynamo.reset()
+    model = _shard(_model(2), MixedPrecisionPolicy())
+    # fsdp_compile.config.passes too: a root read Dynamo runs eagerly gathers in a graph of its own
+    # under it (compiled_state._gather_group_in_a_graph), bucketed by default.
+    with block_compile_mode("frames", passes=fsdp_compile.config.PassConfig(bucket=False, reorder=False)):
+        runner = torch.compile(model, backend="fsdp_aot_eager")
+        counted = _collectives_per_step(model, runner, 3)
+    return {
+        "collectives": counted,
+        "params_per_block": len(list(model.layers[0].parameters())),
+        "root_params": len(list(model.parameters())) - sum(len(list(block.parameters())) for block in model.layers),
+    }
+
+
+def test_block_frames_with_the_passes_off_issue_one_collective_per_parameter_and_direction(dist):
+    # Unbucketed, every traced all-gather and reduce-scatter stays one per parameter, and a block
+    # frame's forward all-gathers are nodes of its graph like its backward's (no eager gather at frame
+    # entry since fsdp_compile::frame_all_gather), so per step, 2 blocks of 9 parameters (two norms,
+    # wq wk wv wo, w1 w3 w2) and a root of 2 (the tied embedding, the final norm):
+    #   all-gathers:     2 blocks x 9 x (forward + backward's regather) + 2 root = 38
+    #   reduce-scatters: 2 blocks x 9 + 2 root                                   = 20
+    # From the first step on, nothing prefetched across frames (frame_all_gather takes a bucket). Before
+    # 7b321d6 each block's forward gathered eagerly in one bucket as its frame was entered: 2 x 1 + 18 + 2
+    # = 22 all-gathers (the benchmark's ours-compiled-nopasses 21/19 at dcb689c, its root bucketed:
+    # see that mode's --help). With the passes on: one per group, 5/3, as eager training.
+    result = dist.run(2, _collectives_per_step_with_the_passes_off)[0]
+    per_block, root = result["params_per_block"], result["root_params"]
+    assert (per_block, root) == (9, 2), result
+    expected = {"all_gather": 2 * 2 * per_block + root, "reduce_scatter": 2 * per_block + root}
+    assert expected == {"all_gather": 38, "reduce_scatter": 20}
+    assert result["collectives"] == [expected] * 3, result
+
+
 # --- steady state ---------------------------------------------------------------------------------
 
 

@@ -43,7 +43,8 @@ def _gather_group_in_a_graph(state: "CompiledFSDPState") -> list[torch.Tensor]:
     no op): its traced unshard in a graph of its own, whose passes bucket it into the group's one
     all-gather and, in backward, one reduce-scatter, as in any graph (run eagerly, each parameter's
     op gathered and reduced alone). No code generation: the graph holds only the collectives and
-    their copies."""
+    their copies. Its passes are ``fsdp_compile.config.passes``, not the ``PassConfig`` of the backend
+    that compiled the model (``fsdp_inductor_with``): this function knows no model's backend."""
     group = state.group
     assert group is not None
     return state.traced_unshard(group.fsdp_params)
