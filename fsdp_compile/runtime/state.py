@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch._functorch.utils import unwrap_dead_wrappers
 from torch.autograd.graph import register_multi_grad_hook
 
 from fsdp_compile import config
@@ -140,20 +139,34 @@ class _PostBackwardTrigger(torch.autograd.Function):
 
     @classmethod
     def hook(cls, state: "FSDPState", inputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """``cls.apply(state, *inputs)``, without the argument binding only functorch needs.
+        """The trigger applied to ``inputs``: this Function inside a functorch transform or a trace,
+        the same trigger without ``setup_context`` elsewhere.
 
         [Note: applying the post-backward trigger]
         ``autograd.Function.apply`` of a Function with ``setup_context`` binds its arguments to
         ``forward``'s signature (``inspect.signature``, every call) to fill in defaults, which this
         ``forward`` has none of: four fifths of the trigger's cost, paid once per module and step.
-        Outside functorch transforms the trigger is applied as ``Function.apply`` applies it after
-        that binding: dead functorch wrappers unwrapped, then the C++ apply, which runs ``forward``
-        and ``setup_context`` as usual. Inside a transform, or traced (Dynamo knows ``Function.apply``
-        only), it goes through ``Function.apply``.
+        torch 2.13 binds in the Python ``Function.apply``, torch 2.14 in the C++ apply it became, so
+        no way of calling this class skips it on both. A Function in the combined form
+        (``forward(ctx, ...)``) is never bound, on any version; functorch accepts only the
+        ``setup_context`` form and Dynamo traces either, so transforms and traces take this class
+        and the plain eager step takes ``_EagerPostBackwardTrigger``.
         """
         if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
             return cls.apply(state, *inputs)
-        return super(torch.autograd.Function, cls).apply(state, *unwrap_dead_wrappers(tuple(inputs)))
+        return _EagerPostBackwardTrigger.apply(state, *inputs)
+
+
+class _EagerPostBackwardTrigger(torch.autograd.Function):
+    """``_PostBackwardTrigger`` in the combined form, which ``apply`` does not bind to a signature
+    ([Note: applying the post-backward trigger])."""
+
+    @staticmethod
+    def forward(ctx: Any, state: "FSDPState", *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.state = state
+        return tuple(x.view_as(x) for x in inputs)
+
+    backward = staticmethod(_PostBackwardTrigger.backward)
 
 
 class _PreBackwardTrigger(torch.autograd.Function):
