@@ -22,8 +22,8 @@ from fsdp_compile.compile.frames import BlockFrameFSDPState, blocks_as_frames_in
 from fsdp_compile.compile.param_reads import trace_annotation, unshard_for_trace
 from fsdp_compile.compile.policy import settings_refused_when_compiled
 from fsdp_compile.compile.trace_context import (
-    compiled_call_may_break_graphs, inside_a_compiled_call, traced_for_an_fsdp_backend, traced_in_a_callers_higher_order_op,
-    traced_under_compiled_autograd,
+    compiled_call_may_break_graphs, inside_a_compiled_call, traced_for_an_fsdp_backend, traced_in_a_block_frame,
+    traced_in_a_callers_higher_order_op, traced_under_compiled_autograd,
 )
 from fsdp_compile.runtime.param_group import TrainingState
 from fsdp_compile.runtime.state import FSDPState
@@ -93,6 +93,8 @@ class CompiledFSDPState(BlockFrameFSDPState, FSDPState):
         self.eager_post_forward_without_a_frame = torch._dynamo.disable(self._post_forward_without_a_frame, recursive=True)
         # Names this state in the annotations of traced nodes (check_parameters_read in policy.py).
         self.trace_token = next(_trace_tokens)
+        # Whether its last block-frame entry found a no-sync sum for its graph: [Note: a block frame's guards].
+        self.frame_sums_pending = True
         self._init_block_frames()
 
     @property
@@ -217,6 +219,34 @@ class CompiledFSDPState(BlockFrameFSDPState, FSDPState):
             and not self.per_block_compiled and not config.skip_fsdp_hooks and torch._C._current_graph_task_id() == -1
         )
 
+    # [Note: a block frame's guards]
+    # Dynamo guards a frame on everything its trace read, and a block frame's trace reads each parameter
+    # through the block's modules, its FSDPParam and its group. On the Hugging Face-shaped Llama (9
+    # parameters a block, 2 ranks) the frame held 779 guards in its tree (1338 by Dynamo's count) where
+    # FSDP2's per-block graph of the same block holds 169 (193). Among them, on what the graph does not
+    # take: the registered sharded Parameter of each read (a DTensor: its local tensor, spec and mesh,
+    # and an identity guard per other path to it), reread only to tell a region's input apart, which a
+    # block compiled as a frame never holds; each parameter's references (module and name), read to find
+    # the one name of a tied parameter that adds the no-sync sum, a fact fully_shard fixes and so kept
+    # with the traced read (install_traced_param_access); each parameter's no-sync sink, a tensor with
+    # its guards, read to learn that it holds no sum; and each sharded Parameter, read for its
+    # requires_grad. A block's frame runs right after its eager entry (enter_block_frame), which looks at
+    # those instead (note_frame_sums, FSDPParam.refresh_detached_sharded_param): in its frame the trace
+    # reads the sinks only where one holds a sum (or a staged one waits), behind one guarded flag, and
+    # each parameter's requires_grad as the entry found it, a guarded flag too; read in another graph
+    # (the root's), they are read as before. 568 guards are left in the tree (1214 by Dynamo's count):
+    # the graph's inputs (each parameter's detached shard and late gradient sink, the block's
+    # arguments), the module structure, and the settings the graph is built from (dtypes, layouts,
+    # reshard and sync settings, the refused ones), guarded as before: a changed setting recompiles.
+    def note_frame_sums(self) -> None:
+        """Eagerly, as this block's frame is entered: whether a parameter of its group holds a no-sync sum
+        (staged by the root, or still in its sink) that its graph adds ([Note: a block frame's guards])."""
+        group = self.group
+        assert group is not None
+        self.frame_sums_pending = group.requires_gradient_sync and any(
+            p.staged_accumulated_grad is not None or p.accumulation_sink.grad is not None for p in group.fsdp_params
+        )
+
     def traced_unshard(self, fsdp_params: "list[FSDPParam]", first_place: bool = True) -> list[torch.Tensor]:
         """What reads of ``fsdp_params`` (this group's) trace to under torch.compile; see param_reads.py.
 
@@ -252,14 +282,16 @@ class CompiledFSDPState(BlockFrameFSDPState, FSDPState):
             as_frame and group.requires_gradient_sync and not hybrid and spec.wire_dtype is None
             and spec.shard_size > 1 and not traced_under_compiled_autograd()
         )
+        # In its own frame a block takes what its eager entry found ([Note: a block frame's guards]): the
+        # no-sync sums are read only where one waits, and no parameter is read for its requires_grad.
+        in_its_frame = as_frame and traced_in_a_block_frame()
+        sums_may_be_pending = not in_its_frame or self.frame_sums_pending
         unsharded = []
         for fsdp_param in fsdp_params:
-            late = (
-                delivers_late and fsdp_param.tensor_parallel is None and fsdp_param.sharded_param.requires_grad
-                and fsdp_param.detached_sharded_param is not None
-            )
+            trains = fsdp_param.requires_grad_at_frame_entry if in_its_frame else fsdp_param.sharded_param.requires_grad
+            late = delivers_late and fsdp_param.tensor_parallel is None and trains and fsdp_param.detached_sharded_param is not None
             accumulated = deferred = None
-            if takes_sums:
+            if takes_sums and sums_may_be_pending:
                 accumulated = fsdp_param.staged_accumulated_grad
                 if accumulated is None:
                     # Compiled without its root (which stages the sums): take it here, which Dynamo

@@ -34,9 +34,7 @@ if TYPE_CHECKING:
     from fsdp_compile.runtime.param import FSDPParam
     from fsdp_compile.runtime.param_group import FSDPParamGroup
 
-__all__ = [
-    "FramePrefetch", "BlockFrame", "RootFrames", "BlockFrameFSDPState", "blocks_as_frames_in_this_trace", "land_late_reductions", "gradient_holder",
-]
+__all__ = ["FramePrefetch", "BlockFrame", "RootFrames", "BlockFrameFSDPState", "blocks_as_frames_in_this_trace", "land_late_reductions", "gradient_holder"]
 
 _functional = torch.ops._c10d_functional
 
@@ -639,6 +637,7 @@ class BlockFrameFSDPState:
         if self.group is not None:
             for fsdp_param in self.group.fsdp_params:
                 fsdp_param.refresh_detached_sharded_param()
+            self.note_frame_sums()  # [Note: a block frame's guards] in compiled_state.py
         frames = root.root_frames
         block = frames.block(self)
         self._learn_frame_order(frames, block)

@@ -161,14 +161,19 @@ _property_classes: dict[tuple[type, frozenset[str]], type] = {}
 
 def _param_property(name: str) -> property:
     def read(module: torch.nn.Module) -> torch.Tensor:
-        fsdp_param, state = module.__dict__[_TRACED_PARAMS_ATTR][name]
-        registered = module._parameters[name]
+        fsdp_param, state, first_place = module.__dict__[_TRACED_PARAMS_ATTR][name]
         if (state.per_block_compiled or config.block_compile_is("frames")) and state.training_state is not TrainingState.IDLE:
             # FSDP2's recipe: the eager hooks around the block's graph registered the unsharded
             # parameter (so did hooks Dynamo ran eagerly around a frame of blocks compiled as frames).
             # IDLE: a compiled caller traced this block with its hooks standing aside (the whole model
             # compiled over compiled blocks), so its reads trace the unshard below.
-            return registered
+            return module._parameters[name]
+        if torch.compiler.is_compiling() and not config.skip_fsdp_hooks and state.compiles_as_frame:
+            # A block compiled as a frame holds its sharded Parameters (only a region's body holds
+            # other tensors): not read, they cost its frame no guards ([Note: a block frame's guards]
+            # in compiled_state.py).
+            return state.traced_unshard([fsdp_param], first_place=first_place)[0]
+        registered = module._parameters[name]
         if not isinstance(registered, torch.nn.Parameter):  # a block region's input, see module.py
             return registered
         if torch.compiler.is_compiling():
@@ -176,8 +181,7 @@ def _param_property(name: str) -> property:
                 return registered
             if state.gathers_once_across_frames:
                 return state.unsharded_across_frames(fsdp_param)
-            first = fsdp_param.refs[0]
-            return state.traced_unshard([fsdp_param], first_place=first.module is module and first.name == name)[0]
+            return state.traced_unshard([fsdp_param], first_place=first_place)[0]
         if state.outermost().frames_forward_running:
             return _read_eagerly(state, fsdp_param, registered)
         return registered
@@ -202,20 +206,24 @@ def _assign_managed(module: torch.nn.Module, name: str, value: object) -> None:
     (``FSDPParam.replace_sharded_param``), so eager and compiled runs both see it."""
     managed = module.__dict__.get(_TRACED_PARAMS_ATTR, {})
     if name in managed and isinstance(value, torch.Tensor):
-        fsdp_param, _ = managed[name]
+        fsdp_param, _, _ = managed[name]
         fsdp_param.replace_sharded_param(value)
         return
     type(module)._fsdp_compile_property_base.__setattr__(module, name, value)
 
 
-def install_traced_param_access(module: torch.nn.Module, name: str, fsdp_param: object, state: object) -> None:
+def install_traced_param_access(module: torch.nn.Module, name: str, fsdp_param: "FSDPParam", state: object) -> None:
     """Route ``module.<name>`` through the property above; see [Note: parameter reads under torch.compile].
 
     ``state`` (the parameter's ``FSDPState``) builds the traced unshard from the group's settings at
     trace time, so Dynamo guards on them: a changed setting recompiles.
     """
     managed = module.__dict__.setdefault(_TRACED_PARAMS_ATTR, {})
-    managed[name] = (fsdp_param, state)
+    # Whether this is the parameter's first registered name, the one read that adds the no-sync sum (a
+    # tied parameter is read once per name): a fact of fully_shard's references, kept here so that a
+    # traced read guards on one flag, not on the references ([Note: a block frame's guards] in compiled_state.py).
+    first = fsdp_param.refs[0]
+    managed[name] = (fsdp_param, state, first.module is module and first.name == name)
     base = type(module)
     if getattr(base, "_fsdp_compile_property_base", None) is not None:
         base = base._fsdp_compile_property_base

@@ -15,7 +15,7 @@ import torch
 
 __all__ = [
     "mark_fsdp_backend", "traced_for_an_fsdp_backend", "traced_without_graph_breaks", "traced_in_a_callers_higher_order_op",
-    "traced_under_compiled_autograd", "traced_in_a_block_call_frame", "is_block_frame_code", "inside_a_compiled_call",
+    "traced_under_compiled_autograd", "traced_in_a_block_frame", "traced_in_a_block_call_frame", "is_block_frame_code", "inside_a_compiled_call",
     "compiled_call_may_break_graphs",
     "MODULE_FILE", "note_block_frame_entered", "block_frame_in_trace",
 ]
@@ -92,6 +92,15 @@ def is_block_frame_code(code: Any) -> bool:
     Dynamo's resume function of FSDPModule.forward (or of the FSDP class's __call__), named after it,
     in the same file."""
     return code.co_filename == MODULE_FILE and code.co_name.startswith(_BLOCK_FRAME_RESUME_NAMES)
+
+
+@torch._dynamo.assume_constant_result
+def traced_in_a_block_frame() -> bool:
+    """Read while Dynamo traces: whether the frame being traced is a block's frame (the rest of its
+    forward or __call__ after the graph break), which runs right after that block's eager entry
+    (``enter_block_frame`` in frames.py), so what the entry found holds in it."""
+    tx = _dynamo_tracer()
+    return tx is not None and is_block_frame_code(tx.output.root_tx.f_code)
 
 
 @torch._dynamo.assume_constant_result

@@ -118,6 +118,10 @@ class FSDPParam:
         # autograd edge to the parameter that would run its post-accumulate-grad hooks a second time.
         self.gradient_handover_sink = torch.zeros(1, device=self.device, requires_grad=True)
         self.detached_sharded_param: torch.Tensor | None = None
+        # Whether the sharded parameter required gradients as its block frame was last entered: what that
+        # frame's trace reads instead of the parameter (a tensor it would guard on; [Note: a block frame's
+        # guards] in compile/compiled_state.py).
+        self.requires_grad_at_frame_entry = True
         self.sharded_state = ShardedState.SHARDED
         self.register_everywhere(self.sharded_param)
 
@@ -557,7 +561,9 @@ class FSDPParam:
 
     def refresh_detached_sharded_param(self) -> None:
         """Eagerly, as its block frame is entered: ``detached_sharded_param`` shares the sharded
-        parameter's storage as it is now (a load, ``.data`` or a dtype change may have replaced it)."""
+        parameter's storage as it is now (a load, ``.data`` or a dtype change may have replaced it), and
+        ``requires_grad_at_frame_entry`` is its ``requires_grad`` now."""
+        self.requires_grad_at_frame_entry = self.sharded_param.requires_grad
         local = self.sharded_param._local_tensor
         held = self.detached_sharded_param
         if held is None or held._local_tensor.data_ptr() != local.data_ptr() or held._local_tensor.dtype != local.dtype or held.shape != self.sharded_param.shape:
