@@ -231,21 +231,24 @@ class CompiledFSDPState(BlockFrameFSDPState, FSDPState):
     # with the traced read (install_traced_param_access); each parameter's no-sync sink, a tensor with
     # its guards, read to learn that it holds no sum; and each sharded Parameter, read for its
     # requires_grad. A block's frame runs right after its eager entry (enter_block_frame), which looks at
-    # those instead (note_frame_sums, FSDPParam.refresh_detached_sharded_param): in its frame the trace
+    # those instead (note_frame_entry): in its frame the trace
     # reads the sinks only where one holds a sum (or a staged one waits), behind one guarded flag, and
     # each parameter's requires_grad as the entry found it, a guarded flag too; read in another graph
     # (the root's), they are read as before. 568 guards are left in the tree (1214 by Dynamo's count):
     # the graph's inputs (each parameter's detached shard and late gradient sink, the block's
     # arguments), the module structure, and the settings the graph is built from (dtypes, layouts,
     # reshard and sync settings, the refused ones), guarded as before: a changed setting recompiles.
-    def note_frame_sums(self) -> None:
-        """Eagerly, as this block's frame is entered: whether a parameter of its group holds a no-sync sum
-        (staged by the root, or still in its sink) that its graph adds ([Note: a block frame's guards])."""
+    def note_frame_entry(self) -> None:
+        """Eagerly, as this block's frame is entered, what its trace reads instead of the parameters
+        ([Note: a block frame's guards]): each parameter's ``requires_grad``, and whether a parameter of
+        its group holds a no-sync sum (staged by the root, or still in its sink) that its graph adds."""
         group = self.group
         assert group is not None
-        self.frame_sums_pending = group.requires_gradient_sync and any(
-            p.staged_accumulated_grad is not None or p.accumulation_sink.grad is not None for p in group.fsdp_params
-        )
+        sums = False
+        for p in group.fsdp_params:
+            p.requires_grad_at_frame_entry = p.sharded_param.requires_grad
+            sums = sums or p.staged_accumulated_grad is not None or p.accumulation_sink.grad is not None
+        self.frame_sums_pending = group.requires_gradient_sync and sums
 
     def traced_unshard(self, fsdp_params: "list[FSDPParam]", first_place: bool = True) -> list[torch.Tensor]:
         """What reads of ``fsdp_params`` (this group's) trace to under torch.compile; see param_reads.py.

@@ -637,7 +637,7 @@ class BlockFrameFSDPState:
         if self.group is not None:
             for fsdp_param in self.group.fsdp_params:
                 fsdp_param.refresh_detached_sharded_param()
-            self.note_frame_sums()  # [Note: a block frame's guards] in compiled_state.py
+            self.note_frame_entry()  # [Note: a block frame's guards] in compiled_state.py
         frames = root.root_frames
         block = frames.block(self)
         self._learn_frame_order(frames, block)

@@ -561,9 +561,7 @@ class FSDPParam:
 
     def refresh_detached_sharded_param(self) -> None:
         """Eagerly, as its block frame is entered: ``detached_sharded_param`` shares the sharded
-        parameter's storage as it is now (a load, ``.data`` or a dtype change may have replaced it), and
-        ``requires_grad_at_frame_entry`` is its ``requires_grad`` now."""
-        self.requires_grad_at_frame_entry = self.sharded_param.requires_grad
+        parameter's storage as it is now (a load, ``.data`` or a dtype change may have replaced it)."""
         local = self.sharded_param._local_tensor
         held = self.detached_sharded_param
         if held is None or held._local_tensor.data_ptr() != local.data_ptr() or held._local_tensor.dtype != local.dtype or held.shape != self.sharded_param.shape:
