@@ -61,7 +61,7 @@ def block_compile_is(mode: str) -> bool:
 # - "eager" (the default): run as Dynamo traced them (the graph's own Python code, autograd as eagerly),
 #   without AOTAutograd or Inductor, as FSDP2's per-block compile runs the code around its blocks: each
 #   such graph cost a code generation forward and backward, most of the cold compile beyond FSDP2 per
-#   block's ([Note: graphs outside blocks run as traced] in frames.py);
+#   block's ([Note: graphs outside blocks run as traced] in compile/policy.py);
 # - "inductor": compiled by Inductor as any graph.
 GRAPHS_OUTSIDE_BLOCKS_CHOICES = ("eager", "inductor")
 graphs_outside_blocks: Literal["eager", "inductor"] = "eager"

@@ -689,7 +689,7 @@ def test_freezing_a_parameter_after_a_compiled_step_recompiles_its_block_frame(d
 
 
 # --- graphs outside blocks -------------------------------------------------------------------------
-# [Note: graphs outside blocks run as traced] in fsdp_compile/compile/frames.py
+# [Note: graphs outside blocks run as traced] in fsdp_compile/compile/policy.py
 
 
 def _graphs_outside_blocks(setting: str, per_block: bool = False) -> dict:

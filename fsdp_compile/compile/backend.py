@@ -21,10 +21,12 @@ except ImportError:  # a torch without Inductor's partitioner hook
     _CustomPartitionerFn = None
 
 from fsdp_compile.compile import ops, param_reads, torch_patches
-from fsdp_compile.compile.frames import gradient_holder, land_late_reductions, runs_as_traced_outside_blocks
+from fsdp_compile.compile.frames import gradient_holder, land_late_reductions
 from fsdp_compile.compile.graph_check import check_collectives_match_across_ranks
 from fsdp_compile.compile.ops import TRACED_OP_DECOMPOSITIONS
-from fsdp_compile.compile.policy import check_parameters_read, refuse_block_frame_gathers_left_with_extensions, refuse_tensor_parallel_graphs
+from fsdp_compile.compile.policy import (
+    check_parameters_read, refuse_block_frame_gathers_left_with_extensions, refuse_tensor_parallel_graphs, runs_as_traced_outside_blocks,
+)
 from fsdp_compile.compile.trace_context import mark_fsdp_backend
 from fsdp_compile.compile.torch_patches import region_schemas_kept
 from fsdp_compile.compile.unreached import GradientDelivery, forget_unreached_gradients, output_reach

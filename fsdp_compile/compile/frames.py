@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from fsdp_compile import config
-from fsdp_compile.annotations import fsdp_annotation
 from fsdp_compile.compile import torch_patches
 from fsdp_compile.compile.extension_gathers import gather_through_extensions
 from fsdp_compile.compile.graph_check import END_OF_FORWARD, block_frames_fingerprint, check_block_frames_match_across_ranks
@@ -29,16 +28,13 @@ from fsdp_compile.compile.ops import FrameOpsRuntime, serve_frame_ops
 from fsdp_compile.compile.trace_context import note_block_frame_entered, traced_without_graph_breaks
 from fsdp_compile.runtime.collectives import pending_functional_reduce_scatter
 from fsdp_compile.runtime.param_group import TrainingState
-from fsdp_compile.runtime.state import FSDPState, live_states, state_of
+from fsdp_compile.runtime.state import FSDPState, state_of
 
 if TYPE_CHECKING:
     from fsdp_compile.runtime.param import FSDPParam
     from fsdp_compile.runtime.param_group import FSDPParamGroup
 
-__all__ = [
-    "FramePrefetch", "BlockFrame", "RootFrames", "BlockFrameFSDPState", "blocks_as_frames_in_this_trace", "land_late_reductions",
-    "gradient_holder", "runs_as_traced_outside_blocks",
-]
+__all__ = ["FramePrefetch", "BlockFrame", "RootFrames", "BlockFrameFSDPState", "blocks_as_frames_in_this_trace", "land_late_reductions", "gradient_holder"]
 
 _functional = torch.ops._c10d_functional
 
@@ -178,55 +174,6 @@ def blocks_as_frames_in_this_trace() -> bool:
     """``config.block_compile`` is "frames", unless the trace may not break the graph (fullgraph=True),
     where blocks are regions as before ([Note: blocks compiled as frames])."""
     return config.block_compile_is("frames") and not traced_without_graph_breaks()
-
-
-# [Note: graphs outside blocks run as traced]
-# Block frames break the root's forward at every block. Where the blocks are called in a loop (every
-# transformer), Dynamo cannot resume inside it and runs the loop's whole frame eagerly ("graph break
-# in loop"), compiling instead each frame it calls: a Hugging Face-shaped Llama's causal mask, rotary
-# embeddings, the first read of the root's parameters (the root's all-gather), each block's frame, the
-# final norm, the head. All but the read and the blocks hold no FSDP work: they read no parameter that
-# gathers (the root's were handed over by its first read: unsharded_across_frames) and issue no
-# collective. Compiling each cost AOTAutograd and an Inductor code generation forward and backward:
-# at 16 layers of that Llama on 2 CPU ranks, 6 of 10 Inductor compiles and most of the cold compile
-# beyond FSDP2's per-block compile, which runs that code eagerly. With
-# config.graphs_outside_blocks = "eager" (the default) the backend returns such a graph as Dynamo
-# traced it (its Python code: the same ops as eagerly, autograd as eagerly), as Dynamo's "eager"
-# backend does; "inductor" compiles it. Only while a root whose blocks compile as frames is in its
-# forward (frames_forward_running): a block compiled alone (per-block compile) holds no FSDP op either
-# and is compiled as asked, as is any graph outside a frames forward. A graph with a higher-order op
-# (a checkpointed or nested region) is compiled as before.
-def runs_as_traced_outside_blocks(gm: "torch.fx.GraphModule") -> bool:
-    """Whether the backend runs ``gm`` as traced: [Note: graphs outside blocks run as traced]."""
-    if config.graphs_outside_blocks not in config.GRAPHS_OUTSIDE_BLOCKS_CHOICES:
-        raise ValueError(
-            f"fsdp_compile.config.graphs_outside_blocks = {config.graphs_outside_blocks!r}: choose one of "
-            f"{', '.join(map(repr, config.GRAPHS_OUTSIDE_BLOCKS_CHOICES))}"
-        )
-    if config.graphs_outside_blocks != "eager" or config.skip_fsdp_hooks or not config.block_compile_is("frames"):
-        return False
-    if not any(getattr(state, "frames_forward_running", False) for state in live_states() if state.outer is None):
-        return False
-    return not any(_is_fsdp_work(node) for node in gm.graph.nodes)
-
-
-# The ops of FSDP's traced collectives and copies; a graph holding none of them issues no collective.
-_FSDP_OP_NAMESPACES = frozenset({"fsdp_compile", "_c10d_functional", "c10d_functional", "_dtensor"})
-
-
-def _is_fsdp_work(node: "torch.fx.Node") -> bool:
-    if fsdp_annotation(node) is not None:
-        return True
-    if node.op != "call_function":
-        return False
-    target = node.target
-    if isinstance(target, torch._ops.HigherOrderOperator):
-        return True
-    if isinstance(target, torch._ops.OpOverload):
-        return target.namespace in _FSDP_OP_NAMESPACES
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        return target._qualified_op_name.split("::")[0] in _FSDP_OP_NAMESPACES
-    return False
 
 
 class FramePrefetch:
