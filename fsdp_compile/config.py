@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-__all__ = ["skip_fsdp_hooks", "graph_check_timeout_s", "block_compile", "BLOCK_COMPILE_CHOICES", "block_compile_is"]
+__all__ = [
+    "skip_fsdp_hooks", "graph_check_timeout_s", "block_compile", "BLOCK_COMPILE_CHOICES", "block_compile_is",
+    "graphs_outside_blocks", "GRAPHS_OUTSIDE_BLOCKS_CHOICES",
+]
 
 # Under torch.compile, run the FSDP hooks eagerly between compiled regions (graph breaks)
 # instead of tracing collectives into the graph. Numerics equal the eager runtime.
@@ -50,6 +53,18 @@ def block_compile_is(mode: str) -> bool:
             f"fsdp_compile.config.block_compile = {wrong!r}: choose one of {', '.join(map(repr, BLOCK_COMPILE_CHOICES))}"
         )
     return block_compile == mode
+
+
+# With blocks as frames, the code of a whole-model compile around the blocks (a causal mask, rotary
+# embeddings, the final norm, the head) is split by the blocks' graph breaks into frames of its own, a
+# graph each; those that hold no FSDP work (no collective, no parameter read that gathers) are:
+# - "eager" (the default): run as Dynamo traced them (the graph's own Python code, autograd as eagerly),
+#   without AOTAutograd or Inductor, as FSDP2's per-block compile runs the code around its blocks: each
+#   such graph cost a code generation forward and backward, most of the cold compile beyond FSDP2 per
+#   block's ([Note: graphs outside blocks run as traced] in compile/policy.py);
+# - "inductor": compiled by Inductor as any graph.
+GRAPHS_OUTSIDE_BLOCKS_CHOICES = ("eager", "inductor")
+graphs_outside_blocks: Literal["eager", "inductor"] = "eager"
 
 
 # --- Graph passes of backend="fsdp_inductor" / "fsdp_aot_eager" (docs/design.md section 5.3) ------

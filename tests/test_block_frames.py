@@ -688,6 +688,79 @@ def test_freezing_a_parameter_after_a_compiled_step_recompiles_its_block_frame(d
     assert result["param_gap"] < 1e-5, result
 
 
+# --- graphs outside blocks -------------------------------------------------------------------------
+# [Note: graphs outside blocks run as traced] in fsdp_compile/compile/policy.py
+
+
+def _graphs_outside_blocks(setting: str, per_block: bool = False) -> dict:
+    """A Hugging Face-shaped Llama (a causal mask, rotary embeddings, a final norm and a tied head
+    around its two blocks) trained 2 Adam steps under ``fsdp_aot_eager`` with
+    ``config.graphs_outside_blocks = setting`` (``per_block``: each block compiled alone instead),
+    beside an eager twin. Returns the forward graphs the backend's passes saw (how many hold FSDP
+    work), the frames Dynamo compiled, and how far the parameters ended from the eager twin's."""
+    from benchmarks.hf_llama import HFLlamaConfig, LlamaForCausalLM
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.clear_compilation_metrics()
+    torch.manual_seed(0)
+    reference = LlamaForCausalLM(HFLlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, max_position_embeddings=16))
+    models = []
+    for _ in range(2):
+        model = copy.deepcopy(reference)
+        for block in model.model.layers:
+            fsdp_compile.fully_shard(block)
+        models.append(fsdp_compile.fully_shard(model))
+    eager, compiled = models
+    previous = fsdp_compile.config.graphs_outside_blocks
+    fsdp_compile.config.graphs_outside_blocks = setting
+    try:
+        with block_compile_mode("frames"), observe_graphs() as graphs:
+            if per_block:
+                for block in compiled.model.layers:
+                    block.compile(backend="fsdp_aot_eager")
+                runner = compiled
+            else:
+                runner = torch.compile(compiled, backend="fsdp_aot_eager")
+            for model, run in ((eager, eager), (compiled, runner)):
+                optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+                for step in range(2):
+                    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(10 * step + torch.distributed.get_rank()))
+                    run(tokens).float().logsumexp(-1).mean().backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+    finally:
+        fsdp_compile.config.graphs_outside_blocks = previous
+    forward = [graph for kind, graph in graphs if kind == "forward"]
+    holding_fsdp_work = [any(fsdp_annotation(node) is not None for node in graph.graph.nodes) for graph in forward]
+    return {
+        "forward_graphs": len(forward),
+        "without_fsdp_work": holding_fsdp_work.count(False),
+        "frames_with_ops": sorted(m.co_name for m in torch._dynamo.utils.get_compilation_metrics() if m.graph_op_count),
+        "param_gap": _param_gap(eager, compiled),
+    }
+
+
+def test_graphs_outside_blocks_without_fsdp_work_run_as_traced_and_train_like_eager(dist):
+    """Block frames split the root's forward (its loop over the blocks runs eagerly): the mask, rotary,
+    norm and head are frames of their own, each a graph that held no collective and cost a code
+    generation forward and backward under fsdp_inductor. By default they run as Dynamo traced them;
+    "inductor" compiles them as before; per-block compile, whose graphs hold no FSDP op either, still
+    compiles its blocks."""
+    as_traced = dist.run(2, _graphs_outside_blocks, "eager")[0]
+    compiled = dist.run(2, _graphs_outside_blocks, "inductor")[0]
+    per_block = dist.run(2, _graphs_outside_blocks, "eager", True)[0]
+    # Dynamo traces the same frames either way; only what the backend does with them differs.
+    assert as_traced["frames_with_ops"] == compiled["frames_with_ops"], (as_traced, compiled)
+    assert len(as_traced["frames_with_ops"]) >= 5, as_traced
+    # The root's first read (its all-gather) and the block frame reach the passes; nothing else does.
+    assert as_traced["without_fsdp_work"] == 0 and as_traced["forward_graphs"] == 2, as_traced
+    assert compiled["without_fsdp_work"] >= 3, compiled
+    assert compiled["forward_graphs"] == 2 + compiled["without_fsdp_work"], compiled
+    assert per_block["forward_graphs"] == 1 and per_block["without_fsdp_work"] == 1, per_block
+    for result in (as_traced, compiled, per_block):
+        assert result["param_gap"] < 1e-5, result
+
+
 # --- settings -------------------------------------------------------------------------------------
 
 

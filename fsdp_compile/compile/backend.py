@@ -24,7 +24,9 @@ from fsdp_compile.compile import ops, param_reads, torch_patches
 from fsdp_compile.compile.frames import gradient_holder, land_late_reductions
 from fsdp_compile.compile.graph_check import check_collectives_match_across_ranks
 from fsdp_compile.compile.ops import TRACED_OP_DECOMPOSITIONS
-from fsdp_compile.compile.policy import check_parameters_read, refuse_block_frame_gathers_left_with_extensions, refuse_tensor_parallel_graphs
+from fsdp_compile.compile.policy import (
+    check_parameters_read, refuse_block_frame_gathers_left_with_extensions, refuse_tensor_parallel_graphs, runs_as_traced_outside_blocks,
+)
 from fsdp_compile.compile.trace_context import mark_fsdp_backend
 from fsdp_compile.compile.torch_patches import region_schemas_kept
 from fsdp_compile.compile.unreached import GradientDelivery, forget_unreached_gradients, output_reach
@@ -356,6 +358,8 @@ def _compile_with_inductor(
     refuse_tensor_parallel_graphs(example_inputs)
     check_collectives_match_across_ranks(gm)
     check_parameters_read(gm, pass_config)
+    if runs_as_traced_outside_blocks(gm):
+        return gm.forward
     torch_patches.require("traced all-gather in Inductor's decompositions")
     reach = output_reach(gm)
     with _said_when_dynamo_falls_back("fsdp_inductor"), region_schemas_kept():
@@ -473,6 +477,8 @@ def fsdp_aot_eager(
     check_collectives_match_across_ranks(gm)
     pass_config = config.passes.resolved()
     check_parameters_read(gm, pass_config)
+    if runs_as_traced_outside_blocks(gm):
+        return gm.forward
 
     def partition(joint: fx.GraphModule, joint_inputs: Any, **partition_kwargs: Any) -> Any:
         _tag_recompute(joint.graph)

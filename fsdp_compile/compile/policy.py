@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "settings_refused_when_compiled", "check_parameters_read", "all_gather_extension_refused", "refuse_tensor_parallel_graphs",
-    "refuse_block_frame_gathers_left_with_extensions", "KEPT_GATHER_LOSES_THE_EXTENSION",
+    "refuse_block_frame_gathers_left_with_extensions", "KEPT_GATHER_LOSES_THE_EXTENSION", "runs_as_traced_outside_blocks",
 ]
 
 # The way out every refusal names; each refused setting's is tested to train as eagerly
@@ -272,3 +272,54 @@ def refuse_tensor_parallel_graphs(example_inputs: Sequence[Any]) -> None:
             "fallback, config.skip_fsdp_hooks, or per-block compile), which does not support tensor parallelism yet. "
             "Compile the whole model with torch.compile(model, backend='fsdp_inductor'), or train eagerly."
         )
+
+
+# [Note: graphs outside blocks run as traced]
+# Block frames break the root's forward at every block. Where the blocks are called in a loop (every
+# transformer), Dynamo cannot resume inside it and runs the loop's whole frame eagerly ("graph break
+# in loop"), compiling instead each frame it calls: a Hugging Face-shaped Llama's causal mask, rotary
+# embeddings, the first read of the root's parameters (the root's all-gather), each block's frame, the
+# final norm, the head. All but the read and the blocks hold no FSDP work: they read no parameter that
+# gathers (the root's were handed over by its first read: unsharded_across_frames) and issue no
+# collective. Compiling each cost AOTAutograd and an Inductor code generation forward and backward:
+# at 16 layers of that Llama on 2 CPU ranks, 6 of 10 Inductor compiles and most of the cold compile
+# beyond FSDP2's per-block compile, which runs that code eagerly. With
+# config.graphs_outside_blocks = "eager" (the default) the backend returns such a graph as Dynamo
+# traced it (its Python code: the same ops as eagerly, autograd as eagerly), as Dynamo's "eager"
+# backend does; "inductor" compiles it. Only while a root whose blocks compile as frames is in its
+# forward (frames_forward_running): a block compiled alone (per-block compile) holds no FSDP op either
+# and is compiled as asked, as is any graph outside a frames forward. A graph with a higher-order op
+# (a checkpointed or nested region) is compiled as before.
+def runs_as_traced_outside_blocks(gm: "torch.fx.GraphModule") -> bool:
+    """Whether the backend runs ``gm`` as traced: [Note: graphs outside blocks run as traced]."""
+    if config.graphs_outside_blocks not in config.GRAPHS_OUTSIDE_BLOCKS_CHOICES:
+        raise ValueError(
+            f"fsdp_compile.config.graphs_outside_blocks = {config.graphs_outside_blocks!r}: choose one of "
+            f"{', '.join(map(repr, config.GRAPHS_OUTSIDE_BLOCKS_CHOICES))}"
+        )
+    if config.graphs_outside_blocks != "eager" or config.skip_fsdp_hooks or not config.block_compile_is("frames"):
+        return False
+    if not any(getattr(state, "frames_forward_running", False) for state in live_states() if state.outer is None):
+        return False
+    return not any(_keeps_graph_compiled(node) for node in gm.graph.nodes)
+
+
+# The ops of FSDP's traced collectives and copies; a graph holding none of them issues no collective.
+_FSDP_OP_NAMESPACES = frozenset({"fsdp_compile", "_c10d_functional", "c10d_functional", "_dtensor"})
+
+
+def _keeps_graph_compiled(node: "torch.fx.Node") -> bool:
+    """FSDP work (an annotated parameter read, a collective or copy op) or a higher-order op (a
+    checkpointed or nested region)."""
+    if fsdp_annotation(node) is not None:
+        return True
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return True
+    if isinstance(target, torch._ops.OpOverload):
+        return target.namespace in _FSDP_OP_NAMESPACES
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name.split("::")[0] in _FSDP_OP_NAMESPACES
+    return False
