@@ -239,13 +239,16 @@ class CompiledFSDPState(BlockFrameFSDPState, FSDPState):
     # arguments), the module structure, and the settings the graph is built from (dtypes, layouts,
     # reshard and sync settings, the refused ones), guarded as before: a changed setting recompiles.
     def note_frame_entry(self) -> None:
-        """Eagerly, as this block's frame is entered, what its trace reads instead of the parameters
-        ([Note: a block frame's guards]): each parameter's ``requires_grad``, and whether a parameter of
-        its group holds a no-sync sum (staged by the root, or still in its sink) that its graph adds."""
+        """Eagerly, as this block's frame is entered, in one walk over its group's parameters: each
+        one's detached shard refreshed (``FSDPParam.refresh_detached_sharded_param``), and what its
+        trace reads instead of the parameters ([Note: a block frame's guards]): each parameter's
+        ``requires_grad``, and whether a parameter of its group holds a no-sync sum (staged by the
+        root, or still in its sink) that its graph adds."""
         group = self.group
         assert group is not None
         sums = False
         for p in group.fsdp_params:
+            p.refresh_detached_sharded_param()
             p.requires_grad_at_frame_entry = p.sharded_param.requires_grad
             sums = sums or p.staged_accumulated_grad is not None or p.accumulation_sink.grad is not None
         self.frame_sums_pending = group.requires_gradient_sync and sums

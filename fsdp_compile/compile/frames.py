@@ -635,8 +635,6 @@ class BlockFrameFSDPState:
         root.runs_compiled = True
         root._check_frames_entered_across_ranks(self.label)
         if self.group is not None:
-            for fsdp_param in self.group.fsdp_params:
-                fsdp_param.refresh_detached_sharded_param()
             self.note_frame_entry()  # [Note: a block frame's guards] in compiled_state.py
         frames = root.root_frames
         block = frames.block(self)
