@@ -761,6 +761,29 @@ def test_graphs_outside_blocks_without_fsdp_work_run_as_traced_and_train_like_ea
         assert result["param_gap"] < 1e-5, result
 
 
+def test_the_forward_breaking_at_block_frames_is_read_off_the_call_stack():
+    """What decides that a graph runs as traced: a forward that an exception ended leaves nothing set
+    (a flag would stay set on the dead model until the collector ran, at other times on other ranks)."""
+    from fsdp_compile.compile.trace_context import call_forward_breaking_at_block_frames, inside_a_forward_breaking_at_block_frames
+
+    seen = []
+
+    class Body(nn.Module):
+        def forward(self, fail: bool) -> None:
+            seen.append(inside_a_forward_breaking_at_block_frames())
+            if fail:
+                raise RuntimeError("a forward ended by an exception")
+
+    class Root(Body):
+        pass
+
+    with pytest.raises(RuntimeError, match="ended by an exception"):
+        call_forward_breaking_at_block_frames(Root(), Root, (True,), {})
+    seen.append(inside_a_forward_breaking_at_block_frames())
+    call_forward_breaking_at_block_frames(Root(), Root, (False,), {})
+    assert seen == [True, False, True]
+
+
 # --- settings -------------------------------------------------------------------------------------
 
 

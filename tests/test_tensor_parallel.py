@@ -614,8 +614,11 @@ def _compiled_tp_parity():
     # Blocks compiled as frames (the default) break the graph where a block's frame is entered, where
     # the root's hooks hand their bookkeeping to eager calls and where the root calls its forward
     # ([Note: a forward that breaks at its blocks' frames] in compiled_state.py), by design; no other break.
-    by_design = ("enter_block_frame", "_frames_root_pre_forward", "_frames_root_post_forward", "_call_forward")
-    breaks = sum(n for reason, n in counters["graph_break"].items() if not any(f"FSDPState.{name} at" in reason for name in by_design))
+    by_design = (
+        "FSDPState.enter_block_frame", "FSDPState._frames_root_pre_forward", "FSDPState._frames_root_post_forward",
+        "call_forward_breaking_at_block_frames",
+    )
+    breaks = sum(n for reason, n in counters["graph_break"].items() if not any(f"{name} at" in reason for name in by_design))
     torch._dynamo.reset()
     return CompiledTpParity(losses, reference_losses, max_param_difference(model, reference), eager_losses, kinds, breaks)
 

@@ -22,7 +22,7 @@ from fsdp_compile.compile.frames import BlockFrameFSDPState, blocks_as_frames_in
 from fsdp_compile.compile.param_reads import trace_annotation, unshard_for_trace
 from fsdp_compile.compile.policy import settings_refused_when_compiled
 from fsdp_compile.compile.trace_context import (
-    compiled_call_may_break_graphs, inside_a_compiled_call, traced_for_an_fsdp_backend, traced_in_a_block_frame,
+    call_forward_breaking_at_block_frames, compiled_call_may_break_graphs, inside_a_compiled_call, traced_for_an_fsdp_backend, traced_in_a_block_frame,
     traced_in_a_callers_higher_order_op, traced_under_compiled_autograd,
 )
 from fsdp_compile.runtime.param_group import TrainingState
@@ -139,11 +139,6 @@ class CompiledFSDPState(BlockFrameFSDPState, FSDPState):
             not self.is_leaf and blocks_as_frames_in_this_trace() and traced_for_an_fsdp_backend()
             and not traced_in_a_callers_higher_order_op()
         )
-
-    @staticmethod
-    def _call_forward(module: nn.Module, fsdp_class: type, args: tuple, kwargs: dict) -> Any:
-        """``module``'s own forward (the class under ``fsdp_class``), called by ``forward_in_a_frame_of_its_own``."""
-        return super(fsdp_class, module).forward(*args, **kwargs)
 
     def _is_block(self) -> bool:
         """A fully_shard module inside another, with none inside it and one module in its group, not
@@ -409,5 +404,5 @@ class CompiledFSDPState(BlockFrameFSDPState, FSDPState):
 torch._dynamo.eval_frame.skip_code(CompiledFSDPState._pre_forward_hook.__code__)
 torch._dynamo.eval_frame.skip_code(CompiledFSDPState._post_forward_hook.__code__)
 # [Note: a forward that breaks at its blocks' frames]
-torch._dynamo.eval_frame.skip_code(CompiledFSDPState._call_forward.__code__)
-forward_in_a_frame_of_its_own = torch._dynamo.disable(CompiledFSDPState._call_forward, recursive=False)
+torch._dynamo.eval_frame.skip_code(call_forward_breaking_at_block_frames.__code__)
+forward_in_a_frame_of_its_own = torch._dynamo.disable(call_forward_breaking_at_block_frames, recursive=False)

@@ -13,7 +13,7 @@ import torch.fx as fx
 
 from fsdp_compile import config
 from fsdp_compile.annotations import BLOCK_FRAME_TOKEN, GROUP_KEY, KEEPS_GATHERED_KEY, PARAM_KEY, STATE_KEY, fsdp_annotation
-from fsdp_compile.compile.trace_context import block_frame_in_trace
+from fsdp_compile.compile.trace_context import block_frame_in_trace, inside_a_forward_breaking_at_block_frames
 from fsdp_compile.runtime.state import live_states
 
 if TYPE_CHECKING:
@@ -286,9 +286,11 @@ def refuse_tensor_parallel_graphs(example_inputs: Sequence[Any]) -> None:
 # beyond FSDP2's per-block compile, which runs that code eagerly. With
 # config.graphs_outside_blocks = "eager" (the default) the backend returns such a graph as Dynamo
 # traced it (its Python code: the same ops as eagerly, autograd as eagerly), as Dynamo's "eager"
-# backend does; "inductor" compiles it. Only while a root whose blocks compile as frames is in its
-# forward (frames_forward_running): a block compiled alone (per-block compile) holds no FSDP op either
-# and is compiled as asked, as is any graph outside a frames forward. A graph with a higher-order op
+# backend does; "inductor" compiles it. Only inside the forward of a module with blocks compiled as
+# frames inside it (trace_context.inside_a_forward_breaking_at_block_frames, read off the call stack:
+# a flag that an exception left set would differ between ranks as their dead models are collected):
+# a block compiled alone (per-block compile) holds no FSDP op either and is compiled as asked, as is
+# any graph outside such a forward (a loss, a compiled training step). A graph with a higher-order op
 # (a checkpointed or nested region) is compiled as before.
 def runs_as_traced_outside_blocks(gm: "torch.fx.GraphModule") -> bool:
     """Whether the backend runs ``gm`` as traced: [Note: graphs outside blocks run as traced]."""
@@ -299,7 +301,7 @@ def runs_as_traced_outside_blocks(gm: "torch.fx.GraphModule") -> bool:
         )
     if config.graphs_outside_blocks != "eager" or config.skip_fsdp_hooks or not config.block_compile_is("frames"):
         return False
-    if not any(getattr(state, "frames_forward_running", False) for state in live_states() if state.outer is None):
+    if not inside_a_forward_breaking_at_block_frames():
         return False
     return not any(_keeps_graph_compiled(node) for node in gm.graph.nodes)
 

@@ -7,6 +7,7 @@ guards on them; eagerly (outside a trace) each answers False.
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 import weakref
 from typing import Any, Callable
@@ -17,7 +18,8 @@ __all__ = [
     "mark_fsdp_backend", "traced_for_an_fsdp_backend", "traced_without_graph_breaks", "traced_in_a_callers_higher_order_op",
     "traced_under_compiled_autograd", "traced_in_a_block_frame", "traced_in_a_block_call_frame", "is_block_frame_code", "inside_a_compiled_call",
     "compiled_call_may_break_graphs",
-    "MODULE_FILE", "note_block_frame_entered", "block_frame_in_trace",
+    "MODULE_FILE", "note_block_frame_entered", "block_frame_in_trace", "call_forward_breaking_at_block_frames",
+    "inside_a_forward_breaking_at_block_frames",
 ]
 
 # Set on each of our backends (see traced_for_an_fsdp_backend).
@@ -189,3 +191,23 @@ def note_block_frame_entered(state: Any) -> None:
 def block_frame_in_trace() -> Any:
     """The block whose frame was entered last (``enter_block_frame`` in frames.py), if it is alive."""
     return _block_frame_in_trace() if _block_frame_in_trace is not None else None
+
+
+def call_forward_breaking_at_block_frames(module: Any, fsdp_class: type, args: tuple, kwargs: dict) -> Any:
+    """``module``'s own forward (the class under ``fsdp_class``), which compiled_state's
+    ``forward_in_a_frame_of_its_own`` runs with its own frame skipped by Dynamo and the frames it
+    calls compiled ([Note: a forward that breaks at its blocks' frames] in compiled_state.py)."""
+    return super(fsdp_class, module).forward(*args, **kwargs)
+
+
+def inside_a_forward_breaking_at_block_frames() -> bool:
+    """Whether this call runs inside such a forward: whether a frame of
+    ``call_forward_breaking_at_block_frames`` is on the call stack. Read off the stack, not a flag, so a
+    forward that an exception ended leaves nothing behind, on any rank."""
+    code = call_forward_breaking_at_block_frames.__code__
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
