@@ -11,7 +11,7 @@ from typing import Literal
 
 __all__ = [
     "skip_fsdp_hooks", "graph_check_timeout_s", "block_compile", "BLOCK_COMPILE_CHOICES", "block_compile_is",
-    "graphs_outside_blocks", "GRAPHS_OUTSIDE_BLOCKS_CHOICES",
+    "graphs_outside_blocks", "GRAPHS_OUTSIDE_BLOCKS_CHOICES", "graphs_outside_blocks_is",
 ]
 
 # Under torch.compile, run the FSDP hooks eagerly between compiled regions (graph breaks)
@@ -47,12 +47,16 @@ def block_compile_is(mode: str) -> bool:
         fsdp_compile.config.block_compile = "regions"
         assert fsdp_compile.config.block_compile_is("regions")
     """
-    if block_compile not in BLOCK_COMPILE_CHOICES or mode not in BLOCK_COMPILE_CHOICES:
-        wrong = block_compile if block_compile not in BLOCK_COMPILE_CHOICES else mode
-        raise ValueError(
-            f"fsdp_compile.config.block_compile = {wrong!r}: choose one of {', '.join(map(repr, BLOCK_COMPILE_CHOICES))}"
-        )
-    return block_compile == mode
+    return _setting_is("block_compile", block_compile, mode, BLOCK_COMPILE_CHOICES)
+
+
+def _setting_is(name: str, value: str, asked: str, choices: tuple[str, ...]) -> bool:
+    """Whether the setting ``name`` (now ``value``) is ``asked``; a value or question outside ``choices``
+    is refused with the values allowed."""
+    if value not in choices or asked not in choices:
+        wrong = value if value not in choices else asked
+        raise ValueError(f"fsdp_compile.config.{name} = {wrong!r}: choose one of {', '.join(map(repr, choices))}")
+    return value == asked
 
 
 # With blocks as frames, the code of a whole-model compile around the blocks (a causal mask, rotary
@@ -65,6 +69,12 @@ def block_compile_is(mode: str) -> bool:
 # - "inductor": compiled by Inductor as any graph.
 GRAPHS_OUTSIDE_BLOCKS_CHOICES = ("eager", "inductor")
 graphs_outside_blocks: Literal["eager", "inductor"] = "eager"
+
+
+def graphs_outside_blocks_is(mode: str) -> bool:
+    """Whether ``graphs_outside_blocks`` is ``mode``; a value outside ``GRAPHS_OUTSIDE_BLOCKS_CHOICES`` is
+    refused with the values allowed."""
+    return _setting_is("graphs_outside_blocks", graphs_outside_blocks, mode, GRAPHS_OUTSIDE_BLOCKS_CHOICES)
 
 
 # --- Graph passes of backend="fsdp_inductor" / "fsdp_aot_eager" (docs/design.md section 5.3) ------

@@ -272,23 +272,28 @@ def assert_matches_reference(results: list, loss_rtol: float, param_atol: float)
 
 
 @contextlib.contextmanager
-def block_compile_mode(mode: str = "frames", recompile_limit: int | None = None, passes: Any = None):
+def block_compile_mode(
+    mode: str = "frames", recompile_limit: int | None = None, passes: Any = None, graphs_outside_blocks: str | None = None,
+):
     """``fsdp_compile.config.block_compile`` set to ``mode`` ("frames", the default: a Dynamo frame per
     block; "regions": the whole model one graph with a nested compile region per block; "inline"),
-    Dynamo's ``recompile_limit`` and ``fsdp_compile.config.passes`` (a ``PassConfig``) where given,
-    for the duration."""
+    Dynamo's ``recompile_limit``, ``fsdp_compile.config.passes`` (a ``PassConfig``) and
+    ``fsdp_compile.config.graphs_outside_blocks`` where given, for the duration."""
     import fsdp_compile
 
-    previous = fsdp_compile.config.block_compile, torch._dynamo.config.recompile_limit, fsdp_compile.config.passes
-    fsdp_compile.config.block_compile = mode
+    config = fsdp_compile.config
+    previous = config.block_compile, torch._dynamo.config.recompile_limit, config.passes, config.graphs_outside_blocks
+    config.block_compile = mode
     if recompile_limit is not None:
         torch._dynamo.config.recompile_limit = recompile_limit
     if passes is not None:
-        fsdp_compile.config.passes = passes
+        config.passes = passes
+    if graphs_outside_blocks is not None:
+        config.graphs_outside_blocks = graphs_outside_blocks
     try:
         yield
     finally:
-        fsdp_compile.config.block_compile, torch._dynamo.config.recompile_limit, fsdp_compile.config.passes = previous
+        config.block_compile, torch._dynamo.config.recompile_limit, config.passes, config.graphs_outside_blocks = previous
 
 
 def wait_for_background_run(started: tuple, what: str, timeout_s: float = 600) -> tuple[str, object]:

@@ -711,25 +711,20 @@ def _graphs_outside_blocks(setting: str, per_block: bool = False) -> dict:
             fsdp_compile.fully_shard(block)
         models.append(fsdp_compile.fully_shard(model))
     eager, compiled = models
-    previous = fsdp_compile.config.graphs_outside_blocks
-    fsdp_compile.config.graphs_outside_blocks = setting
-    try:
-        with block_compile_mode("frames"), observe_graphs() as graphs:
-            if per_block:
-                for block in compiled.model.layers:
-                    block.compile(backend="fsdp_aot_eager")
-                runner = compiled
-            else:
-                runner = torch.compile(compiled, backend="fsdp_aot_eager")
-            for model, run in ((eager, eager), (compiled, runner)):
-                optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-                for step in range(2):
-                    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(10 * step + torch.distributed.get_rank()))
-                    run(tokens).float().logsumexp(-1).mean().backward()
-                    optimizer.step()
-                    optimizer.zero_grad()
-    finally:
-        fsdp_compile.config.graphs_outside_blocks = previous
+    with block_compile_mode("frames", graphs_outside_blocks=setting), observe_graphs() as graphs:
+        if per_block:
+            for block in compiled.model.layers:
+                block.compile(backend="fsdp_aot_eager")
+            runner = compiled
+        else:
+            runner = torch.compile(compiled, backend="fsdp_aot_eager")
+        for model, run in ((eager, eager), (compiled, runner)):
+            optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+            for step in range(2):
+                tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(10 * step + torch.distributed.get_rank()))
+                run(tokens).float().logsumexp(-1).mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
     forward = [graph for kind, graph in graphs if kind == "forward"]
     holding_fsdp_work = [any(fsdp_annotation(node) is not None for node in graph.graph.nodes) for graph in forward]
     return {

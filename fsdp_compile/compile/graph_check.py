@@ -41,7 +41,7 @@ from fsdp_compile.annotations import GROUP_KEY
 
 __all__ = [
     "collective_fingerprint", "check_collectives_match_across_ranks", "check_block_frames_match_across_ranks",
-    "block_frames_fingerprint", "END_OF_FORWARD",
+    "block_frames_fingerprint", "END_OF_FORWARD", "qualified_op_name",
 ]
 
 _PREFIX = "fsdp_compile/collectives"
@@ -86,7 +86,7 @@ def _collective_calls(gm: fx.GraphModule) -> list[str]:
                 # The process group's name comes last; ranks in different shard or replica groups
                 # (HSDP) legitimately name different groups of the same size.
                 args = node.args[:-1] if node.args and isinstance(node.args[-1], str) else node.args
-                if _qualified_name(node.target).startswith("fsdp_compile::"):  # names its groups in the middle
+                if qualified_op_name(node.target).startswith("fsdp_compile::"):  # names its groups in the middle
                     args = [a for a in node.args if not isinstance(a, str)]
                 constants = [repr(a) for a in args if not isinstance(a, (fx.Node, list, tuple))]
                 label = (node.meta.get("custom") or {}).get(GROUP_KEY, "")
@@ -94,14 +94,15 @@ def _collective_calls(gm: fx.GraphModule) -> list[str]:
     return calls
 
 
-def _qualified_name(target: object) -> str:
-    # Dynamo's graphs hold op packets (torch.ops._c10d_functional.x), AOT's the overloads (x.default).
+def qualified_op_name(target: object) -> str:
+    """"namespace::name" of an op node's target ("" for anything else): Dynamo's graphs hold op packets
+    (torch.ops._c10d_functional.x), AOT's the overloads (x.default)."""
     return getattr(target, "_qualified_op_name", None) or getattr(getattr(target, "overloadpacket", None), "_qualified_op_name", "")
 
 
 def _is_functional_collective(target: object) -> bool:
     # fsdp_compile::all_gather_shard: a parameter's traced all-gather (see ops.py).
-    return _qualified_name(target).startswith(("_c10d_functional::", "fsdp_compile::"))
+    return qualified_op_name(target).startswith(("_c10d_functional::", "fsdp_compile::"))
 
 
 def collective_fingerprint(gm: fx.GraphModule) -> str:

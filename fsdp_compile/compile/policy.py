@@ -13,6 +13,7 @@ import torch.fx as fx
 
 from fsdp_compile import config
 from fsdp_compile.annotations import BLOCK_FRAME_TOKEN, GROUP_KEY, KEEPS_GATHERED_KEY, PARAM_KEY, STATE_KEY, fsdp_annotation
+from fsdp_compile.compile.graph_check import qualified_op_name
 from fsdp_compile.compile.trace_context import block_frame_in_trace, inside_a_forward_breaking_at_block_frames
 from fsdp_compile.runtime.state import live_states
 
@@ -294,12 +295,7 @@ def refuse_tensor_parallel_graphs(example_inputs: Sequence[Any]) -> None:
 # (a checkpointed or nested region) is compiled as before.
 def runs_as_traced_outside_blocks(gm: "torch.fx.GraphModule") -> bool:
     """Whether the backend runs ``gm`` as traced: [Note: graphs outside blocks run as traced]."""
-    if config.graphs_outside_blocks not in config.GRAPHS_OUTSIDE_BLOCKS_CHOICES:
-        raise ValueError(
-            f"fsdp_compile.config.graphs_outside_blocks = {config.graphs_outside_blocks!r}: choose one of "
-            f"{', '.join(map(repr, config.GRAPHS_OUTSIDE_BLOCKS_CHOICES))}"
-        )
-    if config.graphs_outside_blocks != "eager" or config.skip_fsdp_hooks or not config.block_compile_is("frames"):
+    if not config.graphs_outside_blocks_is("eager") or config.skip_fsdp_hooks or not config.block_compile_is("frames"):
         return False
     if not inside_a_forward_breaking_at_block_frames():
         return False
@@ -317,11 +313,6 @@ def _keeps_graph_compiled(node: "torch.fx.Node") -> bool:
         return True
     if node.op != "call_function":
         return False
-    target = node.target
-    if isinstance(target, torch._ops.HigherOrderOperator):
+    if isinstance(node.target, torch._ops.HigherOrderOperator):
         return True
-    if isinstance(target, torch._ops.OpOverload):
-        return target.namespace in _FSDP_OP_NAMESPACES
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        return target._qualified_op_name.split("::")[0] in _FSDP_OP_NAMESPACES
-    return False
+    return qualified_op_name(node.target).split("::")[0] in _FSDP_OP_NAMESPACES
