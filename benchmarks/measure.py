@@ -33,8 +33,10 @@ def train_step(mode: Mode, tokens: torch.Tensor) -> torch.Tensor:
     with mode.step_context():
         loss = next_token_loss(mode.model(tokens), tokens)
         loss.backward()
+        start = time.perf_counter()
         mode.optimizer.step()
         mode.optimizer.zero_grad(set_to_none=True)
+        mode.optimizer_s = time.perf_counter() - start
     return loss.detach()
 
 

@@ -44,6 +44,9 @@ class Mode:
     optimizer: torch.optim.Optimizer
     # Entered around every step of this mode only, so a global switch never leaks into the others.
     step_context: Callable[[], ContextManager] = field(default=contextlib.nullcontext)
+    # Host seconds of the last step's optimizer step and zero_grad (measure.train_step), the same
+    # torch.optim code in every mode: what the step spends outside forward and backward.
+    optimizer_s: float = 0.0
 
     @property
     def ours(self) -> bool:

@@ -7,6 +7,9 @@ second, shallower depth (``--shallow-layers``), interleaved with the deep one in
 ([Note: interleaving] in run.py), and the host time per block is the slope between the two:
 ``(median(deep) - median(shallow)) / (deep - shallow)``; the intercept is the fixed work per step.
 Its spread is a bootstrap over the measured steps of both depths (p10-p90 of the resampled slope).
+The optimizer's step and zero_grad are timed apart (``Mode.optimizer_s``): the same torch.optim code
+in every mode, per parameter (on the DTensor shards of both FSDPs), so on a tiny model it is most of
+each block's slope; the slope of the steps without it is FSDP's own host time per block.
 
 [Note: profiling a step] ``--profile-step`` runs two more untimed steps of each of ours after the
 timed ones: one under cProfile (Python functions by own time; cProfile slows Python, so read
@@ -88,16 +91,29 @@ def per_block_table(summary: dict[str, dict], baseline: str = "torch-eager") -> 
     first = next(iter(rows.values()))
     deep, shallow = first["deep_layers"], first["shallow_layers"]
     base = rows.get(baseline, {}).get("block_ms")
+    base_forward_backward = summary.get(baseline, {}).get("per_block_forward_backward", {}).get("block_ms")
     lines = [
         f"| mode | step ms, {deep} layers | step ms, {shallow} layers | host ms per block (p10–p90) "
-        f"| fixed ms per step | per block vs {baseline} |",
-        "|---|---|---|---|---|---|",
+        f"| fixed ms per step | per block vs {baseline} | of the {deep}-layer step, optimizer ms "
+        f"| forward + backward ms per block (p10–p90) | forward + backward per block vs {baseline} |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, p in rows.items():
         ratio = f"{p['block_ms'] / base:.2f}×" if base and base > 0 else "—"
+        optimizer = summary[name].get("optimizer_ms_median")
+        forward_backward = summary[name].get("per_block_forward_backward")
+        if forward_backward:
+            fb_cells = (
+                f"{forward_backward['block_ms']:.2f} ({forward_backward['block_ms_p10']:.2f}–{forward_backward['block_ms_p90']:.2f}) "
+                f"| {forward_backward['block_ms'] / base_forward_backward:.2f}×" if base_forward_backward else
+                f"{forward_backward['block_ms']:.2f} | —"
+            )
+        else:
+            fb_cells = "— | —"
         lines.append(
             f"| {name} | {summary[name]['step_ms_median']:.1f} | {p['shallow_step_ms']:.1f} "
-            f"| {p['block_ms']:.2f} ({p['block_ms_p10']:.2f}–{p['block_ms_p90']:.2f}) | {p['fixed_ms']:.1f} | {ratio} |"
+            f"| {p['block_ms']:.2f} ({p['block_ms_p10']:.2f}–{p['block_ms_p90']:.2f}) | {p['fixed_ms']:.1f} | {ratio} "
+            f"| {'—' if optimizer is None else f'{optimizer:.1f}'} | {fb_cells} |"
         )
     return "\n".join(lines)
 

@@ -60,10 +60,18 @@ def summarize(cfg: BenchConfig, results: dict, world: int) -> dict[str, dict]:
             step_ms_p90=_percentile(measured, 0.9) * 1e3, step_ms_min=min(measured) * 1e3,
             step_ms_max=max(measured) * 1e3, tokens_per_s=tokens_per_step / median,
         )
+        forward_backward = _forward_backward_steps(results["times"][name], results.get("optimizer_times", {}).get(name), cfg.warmup)
+        if forward_backward:
+            figures["forward_backward_ms_median"] = _percentile(forward_backward, 0.5) * 1e3
+            figures["optimizer_ms_median"] = median * 1e3 - figures["forward_backward_ms_median"]
         shallow = results.get("shallow", {}).get(name)
         if shallow and shallow["status"] is None:
             shallow_steps = [max(ranks) for ranks in shallow["times"][cfg.warmup:]]
             figures["per_block"] = per_block_figures(measured, shallow_steps, cfg.layers, cfg.shallow_layers, cfg.seed)
+            shallow_forward_backward = _forward_backward_steps(shallow["times"], shallow.get("optimizer_times"), cfg.warmup)
+            if forward_backward and shallow_forward_backward:
+                figures["per_block_forward_backward"] = per_block_figures(
+                    forward_backward, shallow_forward_backward, cfg.layers, cfg.shallow_layers, cfg.seed)
         elif shallow:
             figures["per_block_status"] = f"unavailable at {cfg.shallow_layers} layers: {shallow['status']}"
         if name in COMPILED:
@@ -86,6 +94,15 @@ def summarize(cfg: BenchConfig, results: dict, world: int) -> dict[str, dict]:
             )
     _add_ratios(summary)
     return summary
+
+
+def _forward_backward_steps(times: list[list[float]], optimizer: list[list[float]] | None, warmup: int) -> list[float]:
+    """Each measured step's seconds (``times``, [step][rank]) without its optimizer step and zero_grad
+    (the slowest rank's), or [] where the run did not time the optimizer apart."""
+    if not optimizer:
+        return []
+    steps = zip(times[warmup:], optimizer[warmup:])
+    return [max(step - opt for step, opt in zip(ranks, ranks_optimizer)) for ranks, ranks_optimizer in steps]
 
 
 def _add_ratios(summary: dict[str, dict]) -> None:
@@ -280,7 +297,10 @@ def _overhead_text(cfg: BenchConfig, summary: dict[str, dict], profiles: dict[st
             f"{cfg.layers}-layer run in the same process; host ms per block is the slope of the median step time "
             f"between the two depths, (p10–p90) a bootstrap over the measured steps, and fixed ms per step the "
             f"intercept (embedding, loss, root module, the optimizer's per-step part): [Note: host time per block] "
-            f"in benchmarks/overhead.py. Step time / layers would charge each block a share of the fixed part.\n\n"
+            f"in benchmarks/overhead.py. Step time / layers would charge each block a share of the fixed part. "
+            f"The optimizer's step and zero_grad are timed apart (host time, the same torch.optim code in every "
+            f"mode, per parameter, so part of each block's slope); forward + backward per block is the slope "
+            f"without them: what the FSDP runtime and compiled code cost.\n\n"
             + table + "".join(f"\n\n{line}" for line in missing) + "\n"
         )
     if profiles:

@@ -89,18 +89,18 @@ def _build(name: str, cfg: BenchConfig, device: torch.device, agree: _Agreement,
 
 
 def _step_all_ranks(mode: Mode, tokens: torch.Tensor, device: torch.device, agree: _Agreement, errors: dict):
-    """(per-rank seconds, global mean loss, failure reason or None) of one timed step."""
+    """(per-rank seconds, per-rank optimizer seconds, global mean loss, failure reason or None) of one timed step."""
     dist.barrier()
     try:
         seconds, loss = timed_step(mode, tokens, device)
-        values, local_reason = [seconds, loss.item(), 0.0], None
+        values, local_reason = [seconds, loss.item(), 0.0, mode.optimizer_s], None
     except Exception as error:  # noqa: BLE001
-        values, local_reason = [0.0, 0.0, 1.0], _short(error)
+        values, local_reason = [0.0, 0.0, 1.0, 0.0], _short(error)
         errors[mode.name] = traceback.format_exc()
     rows = agree.gather(values)
     if rows[:, 2].any():
-        return None, None, agree.first_reason(local_reason)
-    return rows[:, 0].tolist(), rows[:, 1].mean().item(), None
+        return None, None, None, agree.first_reason(local_reason)
+    return rows[:, 0].tolist(), rows[:, 3].tolist(), rows[:, 1].mean().item(), None
 
 
 def _fresh_inductor_cache(rank: int) -> str:
@@ -169,6 +169,7 @@ def _run(cfg: BenchConfig, rank: int, world: int, device: torch.device, cache: s
         progress.advance(f"built {key}")
 
     times: dict[str, list[list[float]]] = {key: [] for key in keys}  # [step][rank]
+    optimizer_times: dict[str, list[list[float]]] = {key: [] for key in keys}  # of it, the optimizer's
     losses: dict[str, list[float]] = {key: [] for key in keys}
     probes: dict[str, list] = {}
     for step in range(cfg.total_steps):
@@ -179,12 +180,13 @@ def _run(cfg: BenchConfig, rank: int, world: int, device: torch.device, cache: s
             phase = "warm-up" if step < cfg.warmup else "step"
             if step < cfg.warmup:  # where modes compile; a measured step runs what is compiled
                 use_cache_of(twins.get(name, name))  # a twin's compile reuses its mode's kernels
-            seconds, loss, reason = _step_all_ranks(modes[name], batches[step], device, agree, errors)
+            seconds, optimizer_seconds, loss, reason = _step_all_ranks(modes[name], batches[step], device, agree, errors)
             if reason is not None:
                 status[name] = reason if step == 0 else f"failed at step {step}: {reason}"
                 modes[name] = None
             else:
                 times[name].append(seconds)
+                optimizer_times[name].append(optimizer_seconds)
                 losses[name].append(loss)
             progress.advance(f"{name} {phase} {step + 1}/{cfg.total_steps}")
     compile_stages = _compile_stages()  # the warm-up steps' compiles (probes and profiles compile nothing)
@@ -209,9 +211,9 @@ def _run(cfg: BenchConfig, rank: int, world: int, device: torch.device, cache: s
             warm[name] = _warm_compile(name, cfg, batches, device, agree, errors, times[name], progress)
     progress.close()
     return {
-        "inductor_startup_s": startup, "status": {name: status[name] for name in cfg.modes}, "times": times,
+        "inductor_startup_s": startup, "status": {name: status[name] for name in cfg.modes}, "times": times, "optimizer_times": optimizer_times,
         "losses": losses, "probes": probes, "warm": warm, "errors": errors if rank == 0 else {},
-        "shallow": {name: {"status": status[key], "times": times[key]} for key, name in twins.items()},
+        "shallow": {name: {"status": status[key], "times": times[key], "optimizer_times": optimizer_times[key]} for key, name in twins.items()},
         "profiles": profiles, "load_average": (load_at_start, _load_average()), "compile_stages": compile_stages,
     }
 
@@ -274,7 +276,7 @@ def _warm_compile(name, cfg, batches, device, agree, errors, measured_times, pro
         return None
     total = 0.0
     for step in range(cfg.warmup):
-        seconds, _, reason = _step_all_ranks(mode, batches[step], device, agree, errors)
+        seconds, _, _, reason = _step_all_ranks(mode, batches[step], device, agree, errors)
         progress.advance(f"{name} warm compile {step + 1}/{cfg.warmup}")
         if reason is not None:
             return None

@@ -28,7 +28,7 @@ from fsdp_compile.compile.regions import (
     COMPOSABLE_CHECKPOINT_ATTR, checkpointed, may_checkpoint_itself, reuse_marker, take_over_composable_checkpoint, takes_flat_arguments,
 )
 from fsdp_compile.compile.torch_patches import fsdp_frames_recompile_limit_reached
-from fsdp_compile.compile.trace_context import inside_a_compiled_call, traced_in_a_block_call_frame
+from fsdp_compile.compile.trace_context import inside_a_compiled_call, inside_a_forward_breaking_at_block_frames, traced_in_a_block_call_frame
 from fsdp_compile.runtime.fully_shard_args import (
     OWNER_ATTR, check_comm, check_comm_policy, check_params, check_reshard_after_forward, collect_params, label_groups,
     move_buffers, shard_dim, tensor_parallel_layout_of,
@@ -129,6 +129,11 @@ class FSDPModule:
                 "torch.compiler.disable, a recompile limit, a skipped frame, or a backend that failed on the graph, "
                 "which the backend's warning names"
             )
+            if inside_a_forward_breaking_at_block_frames() and config.graphs_outside_blocks_is("eager"):
+                why += (
+                    "; or a call in the untraced forward of a module around it, such as a checkpoint() its code does "
+                    "not name: fsdp_compile.config.graphs_outside_blocks = \"inductor\" traces that forward"
+                )
             warnings.warn(
                 f"fsdp_compile: the forward of '{state.label}' ran eagerly inside a compiled model (Dynamo did not "
                 f"compile this frame: {why}); its FSDP hooks run eagerly around it. "

@@ -195,6 +195,10 @@ def test_overhead_reports_host_ms_per_block_from_two_depths(overhead_run):
     assert (per_block["deep_layers"], per_block["shallow_layers"]) == (2, 1)
     assert math.isfinite(per_block["block_ms"]) and per_block["shallow_step_ms"] > 0
     assert "| ours-eager |" in stdout.split("host ms per block (p10–p90)")[1]
+    # The optimizer's step is timed apart: forward + backward is the step without it.
+    figures = data["modes"]["ours-eager"]
+    assert 0 < figures["optimizer_ms_median"] < figures["step_ms_median"], figures
+    assert math.isfinite(figures["per_block_forward_backward"]["block_ms"])
 
 
 def test_overhead_profile_of_ours_counts_dispatches_and_names_python_functions(overhead_run):

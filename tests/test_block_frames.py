@@ -726,11 +726,18 @@ def _graphs_outside_blocks(setting: str, per_block: bool = False) -> dict:
                 optimizer.step()
                 optimizer.zero_grad()
     forward = [graph for kind, graph in graphs if kind == "forward"]
+    user_forward = LlamaForCausalLM.forward.__code__
+    user_forward_lines = range(user_forward.co_firstlineno, max(line for _, _, line in user_forward.co_lines() if line) + 1)
     holding_fsdp_work = [any(fsdp_annotation(node) is not None for node in graph.graph.nodes) for graph in forward]
     return {
         "forward_graphs": len(forward),
         "without_fsdp_work": holding_fsdp_work.count(False),
         "frames_with_ops": sorted(m.co_name for m in torch._dynamo.utils.get_compilation_metrics() if m.graph_op_count),
+        # Frames Dynamo traced of LlamaForCausalLM.forward's code, its resume functions included.
+        "user_forward_frames": sum(
+            m.co_filename == user_forward.co_filename and m.co_firstlineno in user_forward_lines
+            for m in torch._dynamo.utils.get_compilation_metrics()
+        ),
         "param_gap": _param_gap(eager, compiled),
     }
 
@@ -744,9 +751,12 @@ def test_graphs_outside_blocks_without_fsdp_work_run_as_traced_and_train_like_ea
     as_traced = dist.run(2, _graphs_outside_blocks, "eager")[0]
     compiled = dist.run(2, _graphs_outside_blocks, "inductor")[0]
     per_block = dist.run(2, _graphs_outside_blocks, "eager", True)[0]
-    # Dynamo traces the same frames either way; only what the backend does with them differs.
-    assert as_traced["frames_with_ops"] == compiled["frames_with_ops"], (as_traced, compiled)
-    assert len(as_traced["frames_with_ops"]) >= 5, as_traced
+    # The user's forward, which breaks at its blocks, is not traced where what Dynamo would make of it
+    # runs as traced anyway ([Note: a forward that breaks at its blocks' frames] in compiled_state.py);
+    # the frames it calls are, as under "inductor", which traces it too.
+    assert as_traced["user_forward_frames"] == 0 and compiled["user_forward_frames"] >= 1, (as_traced, compiled)
+    assert per_block["user_forward_frames"] == 0, per_block
+    assert {"causal_mask", "read"} <= set(as_traced["frames_with_ops"]) <= set(compiled["frames_with_ops"]), (as_traced, compiled)
     # The root's first read (its all-gather) and the block frame reach the passes; nothing else does.
     assert as_traced["without_fsdp_work"] == 0 and as_traced["forward_graphs"] == 2, as_traced
     assert compiled["without_fsdp_work"] >= 3, compiled
@@ -777,6 +787,38 @@ def test_the_forward_breaking_at_block_frames_is_read_off_the_call_stack():
     seen.append(inside_a_forward_breaking_at_block_frames())
     call_forward_breaking_at_block_frames(Root(), Root, (False,), {})
     assert seen == [True, False, True]
+
+
+
+def test_a_forward_that_names_a_checkpoint_is_still_traced():
+    """[Note: a forward that breaks at its blocks' frames] in compiled_state.py: blocks called inside a
+    checkpoint() in the root's forward are regions of the checkpoint's higher-order op, so that
+    forward stays traced; which forwards do is read off their code."""
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    from fsdp_compile.compile.trace_context import names_a_checkpoint
+
+    def plain(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+    def calls(self, x):
+        for layer in self.layers:
+            x = torch_checkpoint(layer, x, use_reentrant=False)
+        return x
+
+    def hugging_face(self, x):
+        for layer in self.layers:
+            x = self._gradient_checkpointing_func(layer.__call__, x) if self.gradient_checkpointing else layer(x)
+        return x
+
+    def nested(self, x):
+        return [torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False) for layer in self.layers]
+
+    assert not names_a_checkpoint(plain) and not names_a_checkpoint(_wrapped_forward(plain))
+    for forward in (calls, hugging_face, nested, _wrapped_forward(calls)):
+        assert names_a_checkpoint(forward), forward
 
 
 # --- settings -------------------------------------------------------------------------------------
@@ -837,13 +879,30 @@ class _NotedTransformer(Transformer):
         return super().forward(tokens)
 
 
-def _traces_reaching_the_root_forward() -> dict:
+def _wrapped_forward(forward):
+    """A decorator as Hugging Face's ``can_return_tuple``: a ``functools.wraps`` wrapper around the forward."""
+
+    @functools.wraps(forward)
+    def wrapper(self, *args, **kwargs):
+        return forward(self, *args, **kwargs)
+
+    return wrapper
+
+
+class _DecoratedNotedTransformer(Transformer):
+    @_wrapped_forward
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        _note_trace_of_root_forward()
+        return super().forward(tokens)
+
+
+def _traces_reaching_the_root_forward(graphs_outside_blocks: str, decorated: bool = False) -> dict:
     torch._dynamo.reset()
     _traces_of_root_forward.clear()
     torch.manual_seed(0)
-    reference = _NotedTransformer(TransformerConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, max_seq_len=16))
+    reference = (_DecoratedNotedTransformer if decorated else _NotedTransformer)(TransformerConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, max_seq_len=16))
     eager, compiled = _shard(copy.deepcopy(reference), MixedPrecisionPolicy()), _shard(copy.deepcopy(reference), MixedPrecisionPolicy())
-    with block_compile_mode("frames"):
+    with block_compile_mode("frames", graphs_outside_blocks=graphs_outside_blocks):
         compiled_losses = _train(torch.compile(compiled, backend="fsdp_aot_eager"), 2, seed=7)
     return {
         "traced_from": [os.path.basename(path) for path in _traces_of_root_forward],
@@ -851,10 +910,14 @@ def _traces_reaching_the_root_forward() -> dict:
     }
 
 
-def test_the_roots_frame_breaks_at_its_forwards_call_without_tracing_into_it(dist):
+@pytest.mark.parametrize("graphs_outside_blocks,decorated", [("eager", False), ("inductor", False), ("eager", True)])
+def test_the_roots_frame_breaks_at_its_forwards_call_without_tracing_into_it(dist, graphs_outside_blocks, decorated):
     # [Note: a forward that breaks at its blocks' frames]: the frame of FSDPModule.forward (module.py)
     # breaks where it calls the root's forward, so only the frame of that forward traces it (Dynamo
-    # gives up on it at the blocks' calls in its loop, and runs it eagerly); it trains as eagerly.
-    result = dist.run(2, _traces_reaching_the_root_forward)[0]
-    assert set(result["traced_from"]) == {"test_block_frames.py"}, result
+    # gives up on it at the blocks' calls in its loop, and runs it eagerly), and by default not even
+    # that frame, whose graphs would run as traced, nor, under a decorator's wrapper, the forward it
+    # wraps; it trains as eagerly.
+    result = dist.run(2, _traces_reaching_the_root_forward, graphs_outside_blocks, decorated)[0]
+    expected = set() if graphs_outside_blocks == "eager" else {"test_block_frames.py"}
+    assert set(result["traced_from"]) == expected, result
     _assert_trains_like_eager(result, 1e-5)

@@ -10,6 +10,7 @@ a block frame is entered).
 from __future__ import annotations
 
 import itertools
+import types
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,7 +23,7 @@ from fsdp_compile.compile.frames import BlockFrameFSDPState, blocks_as_frames_in
 from fsdp_compile.compile.param_reads import trace_annotation, unshard_for_trace
 from fsdp_compile.compile.policy import settings_refused_when_compiled
 from fsdp_compile.compile.trace_context import (
-    call_forward_breaking_at_block_frames, compiled_call_may_break_graphs, inside_a_compiled_call, traced_for_an_fsdp_backend, traced_in_a_block_frame,
+    call_forward_breaking_at_block_frames, compiled_call_may_break_graphs, copy_dynamo_skips, names_a_checkpoint, inside_a_compiled_call, traced_for_an_fsdp_backend, traced_in_a_block_frame,
     traced_in_a_callers_higher_order_op, traced_under_compiled_autograd,
 )
 from fsdp_compile.runtime.param_group import TrainingState
@@ -64,6 +65,22 @@ def _gather_group_in_a_graph(state: "CompiledFSDPState") -> list[torch.Tensor]:
 # the restart. Same frames, same graphs, one trace of the prefix fewer. Only where the trace may break
 # (not under fullgraph=True, nor inside a caller's higher-order op) and only our backends' traces,
 # where blocks are frames.
+#
+# Where graphs outside blocks run as traced (graphs_outside_blocks = "eager", [Note: graphs outside
+# blocks run as traced] in policy.py) the user's forward is not traced at all: what Dynamo would compile
+# of it, the code before its first block and after its last, would run as traced, that is as eagerly,
+# and its trace costs the most of any frame outside blocks (on the Hugging Face-shaped Llama, 0.8 s of a
+# warm restart's 3.8 s: it inlines the model down to the loop over the layers, learns that the break
+# inside the loop cannot resume, and restarts). Its frame runs eagerly, as Dynamo runs a frame it gave up
+# on, and the frames it calls are traced as before: the root group's first read (its all-gather),
+# every block, the modules and functions it calls. The frame skipped is a copy of the forward with a code
+# object of its own (copy_dynamo_skips), so the same class compiled elsewhere is traced as ever. A forward
+# that calls its blocks inside checkpoint() (PyTorch's FSDP2 tests, torchtitan's per-call form) does not
+# break at them: traced, each block is a region of the checkpoint's higher-order op; untraced, the
+# checkpoint would run eagerly and every block in it with its eager hooks. Such a forward is still traced,
+# told by its code naming a checkpoint (names_a_checkpoint: any name with "checkpoint" in it, Hugging
+# Face's _gradient_checkpointing_func included); a call the names hide runs its blocks eagerly, with the
+# warning of [Note: frames Dynamo runs eagerly] in module.py naming the setting that traces it.
 class CompiledFSDPState(BlockFrameFSDPState, FSDPState):
     """An ``FSDPState`` whose module may run under torch.compile (every state ``fully_shard`` builds)."""
 
@@ -95,7 +112,20 @@ class CompiledFSDPState(BlockFrameFSDPState, FSDPState):
         self.trace_token = next(_trace_tokens)
         # Whether its last block-frame entry found a no-sync sum for its graph: [Note: a block frame's guards].
         self.frame_sums_pending = True
+        # (the user's forward, its copy Dynamo does not trace): [Note: a forward that breaks at its blocks' frames].
+        self._forward_not_traced: tuple[Any, Any] | None = None
         self._init_block_frames()
+
+    def forward_not_traced(self, forward: Any) -> Any:
+        """Eagerly: the bound ``forward`` as a method whose frame Dynamo runs without tracing it
+        ([Note: a forward that breaks at its blocks' frames]); ``forward`` itself where it is no
+        plain function's method."""
+        function = getattr(forward, "__func__", None)
+        if not isinstance(function, types.FunctionType) or names_a_checkpoint(function):
+            return forward
+        if self._forward_not_traced is None or self._forward_not_traced[0] is not function:
+            self._forward_not_traced = (function, copy_dynamo_skips(function))
+        return types.MethodType(self._forward_not_traced[1], forward.__self__)
 
     @property
     def reshards_after_forward(self) -> bool:

@@ -8,18 +8,21 @@ from __future__ import annotations
 
 import os
 import sys
+import types
 import warnings
 import weakref
 from typing import Any, Callable
 
 import torch
 
+from fsdp_compile import config
+
 __all__ = [
     "mark_fsdp_backend", "traced_for_an_fsdp_backend", "traced_without_graph_breaks", "traced_in_a_callers_higher_order_op",
     "traced_under_compiled_autograd", "traced_in_a_block_frame", "traced_in_a_block_call_frame", "is_block_frame_code", "inside_a_compiled_call",
     "compiled_call_may_break_graphs",
     "MODULE_FILE", "note_block_frame_entered", "block_frame_in_trace", "call_forward_breaking_at_block_frames",
-    "inside_a_forward_breaking_at_block_frames",
+    "inside_a_forward_breaking_at_block_frames", "copy_dynamo_skips", "names_a_checkpoint",
 ]
 
 # Set on each of our backends (see traced_for_an_fsdp_backend).
@@ -196,8 +199,59 @@ def block_frame_in_trace() -> Any:
 def call_forward_breaking_at_block_frames(module: Any, fsdp_class: type, args: tuple, kwargs: dict) -> Any:
     """``module``'s own forward (the class under ``fsdp_class``), which compiled_state's
     ``forward_in_a_frame_of_its_own`` runs with its own frame skipped by Dynamo and the frames it
-    calls compiled ([Note: a forward that breaks at its blocks' frames] in compiled_state.py)."""
-    return super(fsdp_class, module).forward(*args, **kwargs)
+    calls compiled ([Note: a forward that breaks at its blocks' frames] in compiled_state.py). Where
+    graphs outside blocks run eagerly, the forward itself is not traced either
+    (``CompiledFSDPState.forward_not_traced``)."""
+    return _forward_to_call(module, fsdp_class)(*args, **kwargs)
+
+
+@torch._dynamo.disable(recursive=True)  # bookkeeping, not a frame of its own to trace
+def _forward_to_call(module: Any, fsdp_class: type) -> Callable[..., Any]:
+    forward = super(fsdp_class, module).forward
+    state_of = getattr(module, "_fsdp_state", None)
+    if state_of is not None and config.graphs_outside_blocks_is("eager"):
+        return state_of().forward_not_traced(forward)
+    return forward
+
+
+def copy_dynamo_skips(function: types.FunctionType) -> types.FunctionType:
+    """``function`` with a code object of its own, whose frames Dynamo runs without tracing them (the
+    frames they call it still traces): ``function`` itself, called elsewhere, is traced as before. A
+    decorator's wrapper (``functools.wraps``: Hugging Face's ``can_return_tuple`` on its forwards) is
+    copied with the function it wraps, where it holds it in its closure, so neither frame is traced."""
+    closure = function.__closure__
+    wrapped = getattr(function, "__wrapped__", None)
+    if closure and isinstance(wrapped, types.FunctionType):
+        closure = tuple(types.CellType(copy_dynamo_skips(wrapped)) if _holds(cell, wrapped) else cell for cell in closure)
+    copy = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__, function.__defaults__, closure)
+    copy.__kwdefaults__ = function.__kwdefaults__
+    copy.__qualname__ = function.__qualname__
+    copy.__dict__.update(function.__dict__)
+    torch._dynamo.eval_frame.skip_code(copy.__code__)
+    return copy
+
+
+def names_a_checkpoint(function: types.FunctionType) -> bool:
+    """Whether ``function``'s code (its nested functions' and, under ``functools.wraps``, the wrapped
+    function's included) names anything with "checkpoint" in its name: ``checkpoint(...)``,
+    ``torch.utils.checkpoint.checkpoint``, Hugging Face's ``self._gradient_checkpointing_func``."""
+    codes = [function.__code__]
+    wrapped = getattr(function, "__wrapped__", None)
+    if isinstance(wrapped, types.FunctionType):
+        codes.append(wrapped.__code__)
+    while codes:
+        code = codes.pop()
+        if any("checkpoint" in name for name in (*code.co_names, *code.co_freevars)):
+            return True
+        codes.extend(const for const in code.co_consts if isinstance(const, types.CodeType))
+    return False
+
+
+def _holds(cell: types.CellType, value: object) -> bool:
+    try:
+        return cell.cell_contents is value
+    except ValueError:  # an empty cell
+        return False
 
 
 def inside_a_forward_breaking_at_block_frames() -> bool:
