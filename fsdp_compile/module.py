@@ -130,10 +130,7 @@ class FSDPModule:
                 "which the backend's warning names"
             )
             if inside_a_forward_breaking_at_block_frames() and config.graphs_outside_blocks_is("eager"):
-                why += (
-                    "; or a call in the untraced forward of a module around it, such as a checkpoint() its code does "
-                    "not name: fsdp_compile.config.graphs_outside_blocks = \"inductor\" traces that forward"
-                )
+                why += "; or a checkpoint() in an untraced forward around it: fsdp_compile.config.graphs_outside_blocks = \"inductor\" traces it"
             warnings.warn(
                 f"fsdp_compile: the forward of '{state.label}' ran eagerly inside a compiled model (Dynamo did not "
                 f"compile this frame: {why}); its FSDP hooks run eagerly around it. "
