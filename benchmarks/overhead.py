@@ -101,15 +101,13 @@ def per_block_table(summary: dict[str, dict], baseline: str = "torch-eager") -> 
     for name, p in rows.items():
         ratio = f"{p['block_ms'] / base:.2f}×" if base and base > 0 else "—"
         optimizer = summary[name].get("optimizer_ms_median")
-        forward_backward = summary[name].get("per_block_forward_backward")
-        if forward_backward:
-            fb_cells = (
-                f"{forward_backward['block_ms']:.2f} ({forward_backward['block_ms_p10']:.2f}–{forward_backward['block_ms_p90']:.2f}) "
-                f"| {forward_backward['block_ms'] / base_forward_backward:.2f}×" if base_forward_backward else
-                f"{forward_backward['block_ms']:.2f} | —"
-            )
-        else:
+        fb = summary[name].get("per_block_forward_backward")
+        if not fb:
             fb_cells = "— | —"
+        elif not base_forward_backward:
+            fb_cells = f"{fb['block_ms']:.2f} | —"
+        else:
+            fb_cells = f"{fb['block_ms']:.2f} ({fb['block_ms_p10']:.2f}–{fb['block_ms_p90']:.2f}) | {fb['block_ms'] / base_forward_backward:.2f}×"
         lines.append(
             f"| {name} | {summary[name]['step_ms_median']:.1f} | {p['shallow_step_ms']:.1f} "
             f"| {p['block_ms']:.2f} ({p['block_ms_p10']:.2f}–{p['block_ms_p90']:.2f}) | {p['fixed_ms']:.1f} | {ratio} "

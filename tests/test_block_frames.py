@@ -817,7 +817,7 @@ def test_a_forward_that_names_a_checkpoint_is_still_traced():
         return [torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False) for layer in self.layers]
 
     assert not names_a_checkpoint(plain) and not names_a_checkpoint(_wrapped_forward(plain))
-    for forward in (calls, hugging_face, nested, _wrapped_forward(calls)):
+    for forward in (calls, hugging_face, nested, _wrapped_forward(calls), _wrapped_forward(_wrapped_forward(calls))):
         assert names_a_checkpoint(forward), forward
 
 

@@ -121,11 +121,13 @@ class CompiledFSDPState(BlockFrameFSDPState, FSDPState):
         ([Note: a forward that breaks at its blocks' frames]); ``forward`` itself where it is no
         plain function's method."""
         function = getattr(forward, "__func__", None)
-        if not isinstance(function, types.FunctionType) or names_a_checkpoint(function):
+        if not isinstance(function, types.FunctionType):
             return forward
         if self._forward_not_traced is None or self._forward_not_traced[0] is not function:
-            self._forward_not_traced = (function, copy_dynamo_skips(function))
-        return types.MethodType(self._forward_not_traced[1], forward.__self__)
+            # Decided once per forward, not per call: one naming a checkpoint stays traced (its "copy" is itself).
+            self._forward_not_traced = (function, function if names_a_checkpoint(function) else copy_dynamo_skips(function))
+        untraced = self._forward_not_traced[1]
+        return forward if untraced is function else types.MethodType(untraced, forward.__self__)
 
     @property
     def reshards_after_forward(self) -> bool:

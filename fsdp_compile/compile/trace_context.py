@@ -233,12 +233,13 @@ def copy_dynamo_skips(function: types.FunctionType) -> types.FunctionType:
 
 def names_a_checkpoint(function: types.FunctionType) -> bool:
     """Whether ``function``'s code (its nested functions' and, under ``functools.wraps``, the wrapped
-    function's included) names anything with "checkpoint" in its name: ``checkpoint(...)``,
-    ``torch.utils.checkpoint.checkpoint``, Hugging Face's ``self._gradient_checkpointing_func``."""
-    codes = [function.__code__]
-    wrapped = getattr(function, "__wrapped__", None)
-    if isinstance(wrapped, types.FunctionType):
-        codes.append(wrapped.__code__)
+    functions' included, down the chain copy_dynamo_skips copies) names anything with "checkpoint" in its
+    name: ``checkpoint(...)``, ``torch.utils.checkpoint.checkpoint``, Hugging Face's
+    ``self._gradient_checkpointing_func``."""
+    codes = []
+    while isinstance(function, types.FunctionType):
+        codes.append(function.__code__)
+        function = getattr(function, "__wrapped__", None)
     while codes:
         code = codes.pop()
         if any("checkpoint" in name for name in (*code.co_names, *code.co_freevars)):
