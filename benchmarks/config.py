@@ -58,6 +58,7 @@ class BenchConfig:
     warmup: int = 2
     seed: int = 0
     lr: float = 1e-3
+    foreach_adamw: bool = False  # AdamW(foreach=True): torch's default on CUDA, where the shards are DTensors
     warm_compile: bool = True
     fresh_inductor_cache: bool = True
     inductor_cache_dir: str | None = None  # kept per rank under this folder (--compile-scaling's warm runs)
@@ -198,7 +199,7 @@ def _layer_counts(text: str) -> tuple[int, ...]:
 # which on a GPU decides a step at small per-GPU work. Flags given after it override it.
 OVERHEAD_PRESET = (
     "--world-size", "1", "--dim", "32", "--heads", "2", "--vocab", "64", "--seq", "8", "--batch", "1",
-    "--layers", "16", "--shallow-layers", "4", "--threads", "1", "--steps", "40", "--no-warm-compile",
+    "--layers", "16", "--shallow-layers", "4", "--threads", "1", "--steps", "40", "--no-warm-compile", "--foreach-adamw",
     "--modes", "ours-eager,torch-eager,ours-compiled,ours-compiled-regions,ours-blockcompile,torch-blockcompile",
 )
 
@@ -242,6 +243,10 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     add("--warmup", type=int, default=d.warmup, help=f"warm-up steps per mode, excluded from the figures; they hold compilation (default {d.warmup})")
     add("--seed", type=int, default=d.seed, help=f"seed of the initial weights and the data, the same for every mode (default {d.seed})")
     add("--lr", type=float, default=d.lr, help=f"AdamW learning rate (default {d.lr})")
+    add("--foreach-adamw", action="store_true",
+        help="AdamW(foreach=True): one dispatch per update op over all parameters, torch's default on CUDA; on CPU "
+        "torch defaults to a loop over the parameters, which on --overhead's tiny model is ~60%% of every mode's "
+        "step alike and would hide the host time of the GPU run it stands for (in --overhead: on)")
     add("--pass-ablation", action="store_true",
         help=f"also run {' and '.join(PASS_ABLATION_MODES)}: ours-compiled without reordering, and without any graph pass")
     add("--comm-policy", action="store_true",

@@ -126,8 +126,12 @@ def _config_switch(name: str, value: object = True) -> Callable[[], ContextManag
     return switched
 
 
-def build_mode(name: str, config: TransformerConfig | hf_llama.HFLlamaConfig, device: torch.device, seed: int, lr: float, bf16: bool, tp: int = 1) -> Mode:
-    """One mode's model (same initial weights for every mode) and its AdamW.
+def build_mode(
+    name: str, config: TransformerConfig | hf_llama.HFLlamaConfig, device: torch.device, seed: int, lr: float, bf16: bool,
+    tp: int = 1, foreach_adamw: bool = False,
+) -> Mode:
+    """One mode's model (same initial weights for every mode) and its AdamW (``foreach_adamw``: its foreach
+    implementation, else torch's default for the device).
 
     Example::
 
@@ -177,5 +181,5 @@ def build_mode(name: str, config: TransformerConfig | hf_llama.HFLlamaConfig, de
             runnable = torch.compile(model, backend="inductor")
     else:
         raise ValueError(f"unknown mode {name!r}")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, foreach=True if foreach_adamw else None)
     return Mode(name, runnable, optimizer, step_context)

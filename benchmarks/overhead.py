@@ -8,8 +8,10 @@ second, shallower depth (``--shallow-layers``), interleaved with the deep one in
 ``(median(deep) - median(shallow)) / (deep - shallow)``; the intercept is the fixed work per step.
 Its spread is a bootstrap over the measured steps of both depths (p10-p90 of the resampled slope).
 The optimizer's step and zero_grad are timed apart (``Mode.optimizer_s``): the same torch.optim code
-in every mode, per parameter (on the DTensor shards of both FSDPs), so on a tiny model it is most of
-each block's slope; the slope of the steps without it is FSDP's own host time per block.
+in every mode, on the DTensor shards of both FSDPs. The preset runs AdamW's foreach implementation
+(``--foreach-adamw``), the default on CUDA, whose host time is the GPU run's; CPU's default, a loop
+over the parameters with a DTensor dispatch per op each, was most of each block's slope on the tiny
+model in every mode alike. The slope of the steps without it is FSDP's own host time per block.
 
 [Note: profiling a step] ``--profile-step`` runs two more untimed steps of each of ours after the
 timed ones: one under cProfile (Python functions by own time; cProfile slows Python, so read

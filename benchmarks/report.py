@@ -283,7 +283,8 @@ def _model_text(config: dict) -> str:
     return (model + f"dim {config['dim']}, {config['layers']} layers, {config['heads']} heads, vocab {config['vocab']}, "
             f"seq {config['seq']}, batch {config['batch']} per rank, {head}, {precision}, "
             + (f"tensor parallel {config['tp']} ways (torchtitan's plan; batch per dp rank), " if config.get("tp", 1) > 1 else "")
-            + f"{config['warmup']} warm-up + {config['steps']} measured steps")
+            + f"{config['warmup']} warm-up + {config['steps']} measured steps"
+            + (", AdamW foreach" if config.get("foreach_adamw") else ""))
 
 
 def _overhead_text(cfg: BenchConfig, summary: dict[str, dict], profiles: dict[str, dict]) -> str:
@@ -299,7 +300,8 @@ def _overhead_text(cfg: BenchConfig, summary: dict[str, dict], profiles: dict[st
             f"intercept (embedding, loss, root module, the optimizer's per-step part): [Note: host time per block] "
             f"in benchmarks/overhead.py. Step time / layers would charge each block a share of the fixed part. "
             f"The optimizer's step and zero_grad are timed apart (host time, the same torch.optim code in every "
-            f"mode, per parameter, so part of each block's slope); forward + backward per block is the slope "
+            f"mode, {'foreach over all parameters as on CUDA' if cfg.foreach_adamw else 'per parameter'}, so part of "
+            f"each block's slope); forward + backward per block is the slope "
             f"without them: what the FSDP runtime and compiled code cost.\n\n"
             + table + "".join(f"\n\n{line}" for line in missing) + "\n"
         )

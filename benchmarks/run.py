@@ -80,7 +80,7 @@ def _build(name: str, cfg: BenchConfig, device: torch.device, agree: _Agreement,
     mode, local_reason = None, None
     key = name if layers is None else shallow_name(name, layers)
     try:
-        mode = build_mode(name, cfg.model_config(layers), device, cfg.seed, cfg.lr, cfg.bf16, cfg.tp)
+        mode = build_mode(name, cfg.model_config(layers), device, cfg.seed, cfg.lr, cfg.bf16, cfg.tp, cfg.foreach_adamw)
         mode.name = key
     except Exception as error:  # noqa: BLE001 - reported as "unavailable" in the table
         local_reason, errors[key] = _short(error), traceback.format_exc()

@@ -199,6 +199,8 @@ def test_overhead_reports_host_ms_per_block_from_two_depths(overhead_run):
     figures = data["modes"]["ours-eager"]
     assert 0 < figures["optimizer_ms_median"] < figures["step_ms_median"], figures
     assert math.isfinite(figures["per_block_forward_backward"]["block_ms"])
+    # AdamW as a GPU run has it (foreach), not CPU's per-parameter loop, which would dwarf the host time measured.
+    assert data["config"]["foreach_adamw"] is True
 
 
 def test_overhead_profile_of_ours_counts_dispatches_and_names_python_functions(overhead_run):
@@ -210,6 +212,7 @@ def test_overhead_profile_of_ours_counts_dispatches_and_names_python_functions(o
     assert any(row["where"].endswith(")") and ".py:" in row["where"] for row in profile["top"])  # file:line(function)
     section = results_md.split("<!-- benchmark section: cpu-gloo-world1-overhead -->")[1]
     assert "### Host time per block" in section and "#### ours-eager" in section and "--profile-step" in section
+    assert "AdamW foreach" in section and "foreach over all parameters as on CUDA" in section
 
 
 def test_host_ms_per_block_is_the_slope_between_depths_not_step_time_over_layers():
