@@ -726,20 +726,24 @@ def _graphs_outside_blocks(setting: str, per_block: bool = False) -> dict:
                 optimizer.step()
                 optimizer.zero_grad()
     forward = [graph for kind, graph in graphs if kind == "forward"]
-    user_forward = LlamaForCausalLM.forward.__code__
-    user_forward_lines = range(user_forward.co_firstlineno, max(line for _, _, line in user_forward.co_lines() if line) + 1)
     holding_fsdp_work = [any(fsdp_annotation(node) is not None for node in graph.graph.nodes) for graph in forward]
     return {
         "forward_graphs": len(forward),
         "without_fsdp_work": holding_fsdp_work.count(False),
         "frames_with_ops": sorted(m.co_name for m in torch._dynamo.utils.get_compilation_metrics() if m.graph_op_count),
-        # Frames Dynamo traced of LlamaForCausalLM.forward's code, its resume functions included.
-        "user_forward_frames": sum(
-            m.co_filename == user_forward.co_filename and m.co_firstlineno in user_forward_lines
-            for m in torch._dynamo.utils.get_compilation_metrics()
-        ),
+        # Frames Dynamo traced of the root's forward and of LlamaModel's between it and the blocks.
+        "user_forward_frames": _frames_traced_of(LlamaForCausalLM.forward),
+        "model_forward_frames": _frames_traced_of(type(reference.model).forward),
+        "model_forward_is_the_class_one": "forward" not in compiled.model.__dict__,
         "param_gap": _param_gap(eager, compiled),
     }
+
+
+def _frames_traced_of(function) -> int:
+    """Frames Dynamo compiled (or tried to) of ``function``'s code, its resume functions included."""
+    code = function.__code__
+    lines = range(code.co_firstlineno, max(line for _, _, line in code.co_lines() if line) + 1)
+    return sum(m.co_filename == code.co_filename and m.co_firstlineno in lines for m in torch._dynamo.utils.get_compilation_metrics())
 
 
 def test_graphs_outside_blocks_without_fsdp_work_run_as_traced_and_train_like_eager(dist):
@@ -756,6 +760,10 @@ def test_graphs_outside_blocks_without_fsdp_work_run_as_traced_and_train_like_ea
     # the frames it calls are, as under "inductor", which traces it too.
     assert as_traced["user_forward_frames"] == 0 and compiled["user_forward_frames"] >= 1, (as_traced, compiled)
     assert per_block["user_forward_frames"] == 0, per_block
+    # Nor is the plain module between it and the blocks (LlamaModel, whose loop Dynamo gives up on); its
+    # untraced forward is the module's only during the compiled call.
+    assert as_traced["model_forward_frames"] == 0 and compiled["model_forward_frames"] >= 1, (as_traced, compiled)
+    assert all(result["model_forward_is_the_class_one"] for result in (as_traced, compiled, per_block))
     assert {"causal_mask", "read"} <= set(as_traced["frames_with_ops"]) <= set(compiled["frames_with_ops"]), (as_traced, compiled)
     # The root's first read (its all-gather) and the block frame reach the passes; nothing else does.
     assert as_traced["without_fsdp_work"] == 0 and as_traced["forward_graphs"] == 2, as_traced
@@ -819,6 +827,35 @@ def test_a_forward_that_names_a_checkpoint_is_still_traced():
     assert not names_a_checkpoint(plain) and not names_a_checkpoint(_wrapped_forward(plain))
     for forward in (calls, hugging_face, nested, _wrapped_forward(calls), _wrapped_forward(_wrapped_forward(calls))):
         assert names_a_checkpoint(forward), forward
+
+
+def test_the_plain_modules_not_traced_lie_between_the_root_and_its_nearest_fully_shard_modules(fake_world):
+    """The forwards run untraced with the root's ([Note: a forward that breaks at its blocks' frames]):
+    plain modules above the blocks, not those inside a block, not one naming a checkpoint (its blocks
+    are regions of the checkpoint's graph), not an instance's own forward, not a container without one."""
+
+    class Plain(nn.Module):
+        def __init__(self, *children: nn.Module) -> None:
+            super().__init__()
+            self.inner = nn.ModuleList(children)
+
+        def forward(self, x):
+            for module in self.inner:
+                x = module(x)
+            return x
+
+    class Checkpointing(Plain):
+        def forward(self, x):
+            return torch.utils.checkpoint.checkpoint(super().forward, x, use_reentrant=False)
+
+    blocks = [nn.Sequential(nn.Linear(4, 4), Plain(nn.Linear(4, 4))) for _ in range(3)]
+    above, checkpointing, own_forward = Plain(blocks[0]), Checkpointing(blocks[1]), Plain(blocks[2])
+    own_forward.forward = lambda x: x
+    root = nn.Sequential(above, checkpointing, own_forward, nn.Linear(4, 4))
+    for block in blocks:
+        fsdp_compile.fully_shard(block)
+    fsdp_compile.fully_shard(root)
+    assert root._fsdp_state()._plain_modules_above_inner_states() == [above]
 
 
 # --- settings -------------------------------------------------------------------------------------

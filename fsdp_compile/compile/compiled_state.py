@@ -9,6 +9,7 @@ a block frame is entered).
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import types
 from typing import TYPE_CHECKING, Any
@@ -23,7 +24,8 @@ from fsdp_compile.compile.frames import BlockFrameFSDPState, blocks_as_frames_in
 from fsdp_compile.compile.param_reads import trace_annotation, unshard_for_trace
 from fsdp_compile.compile.policy import settings_refused_when_compiled
 from fsdp_compile.compile.trace_context import (
-    call_forward_breaking_at_block_frames, compiled_call_may_break_graphs, copy_dynamo_skips, names_a_checkpoint, inside_a_compiled_call, traced_for_an_fsdp_backend, traced_in_a_block_frame,
+    call_forward_breaking_at_block_frames, call_with_forwards_not_traced, compiled_call_may_break_graphs, copy_dynamo_skips, names_a_checkpoint,
+    inside_a_compiled_call, traced_for_an_fsdp_backend, traced_in_a_block_frame,
     traced_in_a_callers_higher_order_op, traced_under_compiled_autograd,
 )
 from fsdp_compile.runtime.param_group import TrainingState
@@ -74,12 +76,19 @@ def _gather_group_in_a_graph(state: "CompiledFSDPState") -> list[torch.Tensor]:
 # inside the loop cannot resume, and restarts). Its frame runs eagerly, as Dynamo runs a frame it gave up
 # on, and the frames it calls are traced as before: the root group's first read (its all-gather),
 # every block, the modules and functions it calls. The frame skipped is a copy of the forward with a code
-# object of its own (copy_dynamo_skips), so the same class compiled elsewhere is traced as ever. A forward
+# object of its own (copy_dynamo_skips), so the same class compiled elsewhere is traced as ever. So is the
+# forward of each plain module between it and the fully_shard modules inside (Hugging Face's LlamaModel,
+# whose loop Dynamo gives up on after tracing down to the first block: 0.4-0.8 s of a warm restart): for
+# the call's duration only, each such module's forward is an instance attribute holding its untraced copy
+# (call_with_forwards_not_traced), which nn.Module.__call__ finds first; outside the call the module is as
+# the user left it, so it pickles, copies and runs elsewhere as before. A forward
 # that calls its blocks inside checkpoint() (PyTorch's FSDP2 tests, torchtitan's per-call form) does not
 # break at them: traced, each block is a region of the checkpoint's higher-order op; untraced, the
 # checkpoint would run eagerly and every block in it with its eager hooks. Such a forward is still traced,
 # told by its code naming a checkpoint (names_a_checkpoint: any name with "checkpoint" in it, Hugging
-# Face's _gradient_checkpointing_func included); a call the names hide runs its blocks eagerly, with the
+# Face's _gradient_checkpointing_func included), and so is every plain module under it (an instance's
+# forward would be the copy, which Dynamo inlines all the same); a plain module's forward naming one is
+# traced alone. A call the names hide runs its blocks eagerly, with the
 # warning of [Note: frames Dynamo runs eagerly] in module.py naming the setting that traces it.
 class CompiledFSDPState(BlockFrameFSDPState, FSDPState):
     """An ``FSDPState`` whose module may run under torch.compile (every state ``fully_shard`` builds)."""
@@ -112,22 +121,55 @@ class CompiledFSDPState(BlockFrameFSDPState, FSDPState):
         self.trace_token = next(_trace_tokens)
         # Whether its last block-frame entry found a no-sync sum for its graph: [Note: a block frame's guards].
         self.frame_sums_pending = True
-        # (the user's forward, its copy Dynamo does not trace): [Note: a forward that breaks at its blocks' frames].
-        self._forward_not_traced: tuple[Any, Any] | None = None
+        # (the user's forward, its copy Dynamo does not trace or None, the plain modules above inner
+        # fully_shard modules with their forwards' copies): [Note: a forward that breaks at its blocks' frames].
+        self._forward_not_traced: tuple[Any, Any, tuple[tuple[nn.Module, Any], ...]] | None = None
         self._init_block_frames()
 
     def forward_not_traced(self, forward: Any) -> Any:
-        """Eagerly: the bound ``forward`` as a method whose frame Dynamo runs without tracing it
-        ([Note: a forward that breaks at its blocks' frames]); ``forward`` itself where it is no
-        plain function's method."""
+        """Eagerly: the bound ``forward`` as a callable whose frame Dynamo runs without tracing it, nor
+        the forwards of the plain modules between this one and the fully_shard modules inside it
+        ([Note: a forward that breaks at its blocks' frames]); ``forward`` itself where it is no plain
+        function's method or names a checkpoint."""
         function = getattr(forward, "__func__", None)
         if not isinstance(function, types.FunctionType):
             return forward
         if self._forward_not_traced is None or self._forward_not_traced[0] is not function:
-            # Decided once per forward, not per call: one naming a checkpoint stays traced (its "copy" is itself).
-            self._forward_not_traced = (function, function if names_a_checkpoint(function) else copy_dynamo_skips(function))
-        untraced = self._forward_not_traced[1]
-        return forward if untraced is function else types.MethodType(untraced, forward.__self__)
+            # Decided once per forward, not per call: one naming a checkpoint stays traced, and so do
+            # the modules it calls (an instance's forward would be the copy Dynamo inlines).
+            untraced = None if names_a_checkpoint(function) else copy_dynamo_skips(function)
+            above = self._plain_modules_above_inner_states() if untraced is not None else ()
+            self._forward_not_traced = (function, untraced, tuple((module, _untraced_method(module)) for module in above))
+        _, untraced, plain_forwards = self._forward_not_traced
+        if untraced is None:
+            return forward
+        bound = types.MethodType(untraced, forward.__self__)
+        return functools.partial(call_with_forwards_not_traced, bound, plain_forwards) if plain_forwards else bound
+
+    def _plain_modules_above_inner_states(self) -> list[nn.Module]:
+        """The modules on the way from this state's modules down to the nearest fully_shard modules
+        inside them, neither end included, whose forward is a plain function of their class that names
+        no checkpoint: Hugging Face's LlamaModel between LlamaForCausalLM and its decoder layers."""
+        managed = {id(module) for state in self.states_in_tree() for module in state.modules}
+        above: dict[int, nn.Module] = {}
+
+        def holds_managed(module: nn.Module) -> bool:
+            holds = False
+            for child in module.children():
+                if id(child) in managed:
+                    holds = True
+                elif holds_managed(child):
+                    holds = True
+                    above.setdefault(id(child), child)
+            return holds
+
+        for top in self.modules:
+            holds_managed(top)
+        return [
+            module for module in above.values()
+            if "forward" not in module.__dict__ and isinstance(type(module).forward, types.FunctionType)
+            and type(module).forward is not nn.Module.forward and not names_a_checkpoint(type(module).forward)
+        ]
 
     @property
     def reshards_after_forward(self) -> bool:
@@ -435,6 +477,10 @@ class CompiledFSDPState(BlockFrameFSDPState, FSDPState):
 # block frames].
 torch._dynamo.eval_frame.skip_code(CompiledFSDPState._pre_forward_hook.__code__)
 torch._dynamo.eval_frame.skip_code(CompiledFSDPState._post_forward_hook.__code__)
+def _untraced_method(module: nn.Module) -> Any:
+    return types.MethodType(copy_dynamo_skips(type(module).forward), module)
+
+
 # [Note: a forward that breaks at its blocks' frames]
 torch._dynamo.eval_frame.skip_code(call_forward_breaking_at_block_frames.__code__)
 forward_in_a_frame_of_its_own = torch._dynamo.disable(call_forward_breaking_at_block_frames, recursive=False)

@@ -21,7 +21,7 @@ __all__ = [
     "mark_fsdp_backend", "traced_for_an_fsdp_backend", "traced_without_graph_breaks", "traced_in_a_callers_higher_order_op",
     "traced_under_compiled_autograd", "traced_in_a_block_frame", "traced_in_a_block_call_frame", "is_block_frame_code", "inside_a_compiled_call",
     "compiled_call_may_break_graphs",
-    "MODULE_FILE", "note_block_frame_entered", "block_frame_in_trace", "call_forward_breaking_at_block_frames",
+    "MODULE_FILE", "note_block_frame_entered", "block_frame_in_trace", "call_forward_breaking_at_block_frames", "call_with_forwards_not_traced",
     "inside_a_forward_breaking_at_block_frames", "copy_dynamo_skips", "names_a_checkpoint",
 ]
 
@@ -212,6 +212,26 @@ def _forward_to_call(module: Any, fsdp_class: type) -> Callable[..., Any]:
     if state_of is not None and config.graphs_outside_blocks_is("eager"):
         return state_of().forward_not_traced(forward)
     return forward
+
+
+def call_with_forwards_not_traced(forward: Callable[..., Any], plain_forwards: tuple[tuple[Any, Any], ...], *args: Any, **kwargs: Any) -> Any:
+    """``forward(*args, **kwargs)`` with each module of ``plain_forwards`` calling, for the call's
+    duration, its paired method (a copy Dynamo skips) as its forward: an instance attribute that
+    ``nn.Module.__call__`` finds before the class's, set only where the module has none, and removed
+    after, so the module is as the user left it outside the call (pickled, copied, called elsewhere)."""
+    installed = []
+    try:
+        for module, untraced in plain_forwards:
+            if "forward" not in module.__dict__:
+                module.__dict__["forward"] = untraced
+                installed.append(module)
+        return forward(*args, **kwargs)
+    finally:
+        for module in installed:
+            module.__dict__.pop("forward", None)
+
+
+torch._dynamo.eval_frame.skip_code(call_with_forwards_not_traced.__code__)  # eager bookkeeping around untraced frames
 
 
 def copy_dynamo_skips(function: types.FunctionType) -> types.FunctionType:
