@@ -477,7 +477,10 @@ class CompiledFSDPState(BlockFrameFSDPState, FSDPState):
 # block frames].
 torch._dynamo.eval_frame.skip_code(CompiledFSDPState._pre_forward_hook.__code__)
 torch._dynamo.eval_frame.skip_code(CompiledFSDPState._post_forward_hook.__code__)
+
+
 def _untraced_method(module: nn.Module) -> Any:
+    """``module.forward`` bound to a copy of its class's function that Dynamo does not trace."""
     return types.MethodType(copy_dynamo_skips(type(module).forward), module)
 
 
