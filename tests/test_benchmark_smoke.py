@@ -200,7 +200,7 @@ def test_overhead_reports_host_ms_per_block_from_two_depths(overhead_run):
     assert 0 < figures["optimizer_ms_median"] < figures["step_ms_median"], figures
     assert math.isfinite(figures["per_block_forward_backward"]["block_ms"])
     # AdamW as a GPU run has it (foreach), not CPU's per-parameter loop, which would dwarf the host time measured.
-    assert data["config"]["foreach_adamw"] is True
+    assert data["meta"]["config"]["foreach_adamw"] is True
 
 
 def test_overhead_profile_of_ours_counts_dispatches_and_names_python_functions(overhead_run):
