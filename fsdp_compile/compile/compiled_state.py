@@ -121,9 +121,11 @@ class CompiledFSDPState(BlockFrameFSDPState, FSDPState):
         self.trace_token = next(_trace_tokens)
         # Whether its last block-frame entry found a no-sync sum for its graph: [Note: a block frame's guards].
         self.frame_sums_pending = True
-        # (the user's forward, its copy Dynamo does not trace or None, the plain modules above inner
-        # fully_shard modules with their forwards' copies): [Note: a forward that breaks at its blocks' frames].
-        self._forward_not_traced: tuple[Any, Any, tuple[tuple[nn.Module, Any], ...]] | None = None
+        # [Note: a forward that breaks at its blocks' frames]: per forward function of its modules, the copy
+        # Dynamo does not trace (None: it stays traced); the plain modules above the fully_shard modules
+        # inside, with their forwards' copies (None until the first untraced call).
+        self._forwards_not_traced: dict[types.FunctionType, types.FunctionType | None] = {}
+        self._plain_forwards: tuple[tuple[nn.Module, Any], ...] | None = None
         self._init_block_frames()
 
     def forward_not_traced(self, forward: Any) -> Any:
@@ -134,15 +136,17 @@ class CompiledFSDPState(BlockFrameFSDPState, FSDPState):
         function = getattr(forward, "__func__", None)
         if not isinstance(function, types.FunctionType):
             return forward
-        if self._forward_not_traced is None or self._forward_not_traced[0] is not function:
-            # Decided once per forward, not per call: one naming a checkpoint stays traced, and so do
-            # the modules it calls (an instance's forward would be the copy Dynamo inlines).
-            untraced = None if names_a_checkpoint(function) else copy_dynamo_skips(function)
-            above = self._plain_modules_above_inner_states() if untraced is not None else ()
-            self._forward_not_traced = (function, untraced, tuple((module, _untraced_method(module)) for module in above))
-        _, untraced, plain_forwards = self._forward_not_traced
+        if function not in self._forwards_not_traced:
+            # Decided once per forward function (a state's modules may be of several classes), not per call:
+            # one naming a checkpoint stays traced, and so do the modules it calls (an instance's forward
+            # would be the copy Dynamo inlines).
+            self._forwards_not_traced[function] = None if names_a_checkpoint(function) else copy_dynamo_skips(function)
+        untraced = self._forwards_not_traced[function]
         if untraced is None:
             return forward
+        if self._plain_forwards is None:
+            self._plain_forwards = tuple((module, _untraced_method(module)) for module in self._plain_modules_above_inner_states())
+        plain_forwards = self._plain_forwards
         bound = types.MethodType(untraced, forward.__self__)
         return functools.partial(call_with_forwards_not_traced, bound, plain_forwards) if plain_forwards else bound
 
